@@ -1,0 +1,132 @@
+"""`initialize`: turn a model and an optimizer into their ZeRO counterparts, in place."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .config import Config
+from .optimizer import ZeroOptimizer
+from .reducer import FlatParamGroup, GradReducer
+
+log = logging.getLogger(__name__)
+
+OptimizerSpec = Union[type, Callable[[list], torch.optim.Optimizer]]
+
+
+def build_optimizer(optimizer: OptimizerSpec, params: list, kwargs: dict) -> torch.optim.Optimizer:
+    """The user's optimizer over the model's own parameters: a class with its keyword
+    arguments (`params=` may give param groups), or a callable `params -> optimizer`."""
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        kwargs = dict(kwargs)
+        groups = kwargs.pop("params", None)
+        return optimizer(groups if groups is not None else params, **kwargs)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        if kwargs:
+            raise ValueError(f"keyword arguments {sorted(kwargs)} are only for an optimizer class; "
+                             f"a callable params -> optimizer sets its own hyperparameters")
+        opt = optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        return opt
+    raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW) "
+                    f"or a callable params -> optimizer; an optimizer instance cannot be re-sharded")
+
+
+def _grouped_params(inner: torch.optim.Optimizer, named: list) -> list[list[int]]:
+    """For each optimizer param group, the indices into `named` of its parameters."""
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    groups, seen = [], set()
+    for gi, group in enumerate(inner.param_groups):
+        idx = []
+        for p in group["params"]:
+            if id(p) not in index:
+                raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
+                                 f"trainable parameter of the model: build the optimizer from model.parameters()")
+            idx.append(index[id(p)])
+            seen.add(id(p))
+        groups.append(idx)
+    missing = [n for n, p in named if id(p) not in seen]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} require grad but are in no optimizer param group: "
+                         f"add them to a group or set requires_grad=False")
+    return groups
+
+
+def _cast_forward_inputs(dtype: torch.dtype):
+    """Floating-point inputs follow the compute dtype, as FSDP's MixedPrecisionPolicy does."""
+    def cast(x):
+        return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def hook(module, args, kwargs):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+    return hook
+
+
+def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
+               process_group: Optional[Any] = None, **optimizer_kwargs) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard `model`'s training state across the data-parallel ranks; returns (model, optimizer).
+
+    The model is changed in place and returned: it is used exactly as before (its
+    state_dict keeps its own names). `optimizer` is a torch.optim.Optimizer subclass
+    (keyword arguments follow) or a callable params -> optimizer; its param groups keep
+    their hyperparameters. Frozen parameters are left alone, replicated.
+    """
+    if config is None:
+        config = Config()
+    elif isinstance(config, dict):
+        config = Config.from_dict(config)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a zerodp.Config or a dict, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    comm = Comm(process_group)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
+                         f"there is nothing for zerodp to shard or train")
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
+                         f"move the model to one device before zerodp.initialize")
+    inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
+    group_indices = _grouped_params(inner, named)
+
+    if config.stage == 3:
+        from .stage3 import shard_model
+
+        return shard_model(model, inner, named, group_indices, comm, config)
+
+    with torch.no_grad():
+        # Every rank starts from rank 0's values, as DDP does at construction.
+        for _, p in model.named_parameters():
+            comm.broadcast(p.data, 0, "init")
+        for b in model.buffers():
+            comm.broadcast(b.data, 0, "init")
+        dtype = config.compute_dtype
+        for _, p in model.named_parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for b_owner in model.modules():
+            for name, b in b_owner.named_buffers(recurse=False):
+                if b.is_floating_point():
+                    setattr(b_owner, name, b.to(dtype))
+    if dtype != torch.float32:
+        model.register_forward_pre_hook(_cast_forward_inputs(dtype), with_kwargs=True)
+
+    # Backward finishes parameters roughly in reverse registration order; laying each group
+    # out in that order lets its buckets fill one after another.
+    backward_order = {id(p): len(named) - 1 - i for i, (_, p) in enumerate(named)}
+    groups = []
+    for idx in group_indices:
+        idx = sorted(idx, reverse=True)
+        groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm,
+                                     config.stage, dtype, config.grad_reduce_dtype, config.bucket_bytes))
+    reducer = GradReducer(groups, comm, config.grad_accumulation_steps, config.overlap_comm, backward_order)
+    opt = ZeroOptimizer(inner, [[g] for g in groups], comm, config, reducer)
+    log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
+             config.stage, comm.world_size, sum(g.layout.numel for g in groups), len(groups))
+    return model, opt

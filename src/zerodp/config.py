@@ -1,0 +1,173 @@
+"""The one typed configuration of zerodp, validated at construction.
+
+Every field is documented where it is declared; `tests/test_config.py` pins the set of
+fields so options cannot sprawl unnoticed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+import torch
+
+__all__ = ["Config", "ConfigError", "DTYPES"]
+
+# Names accepted for a dtype, and the torch dtype each one means.
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names the field, value and fix."""
+
+
+def _bad(name: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"Config.{name}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    stage: int = 2
+    """ZeRO stage: 0 = DDP (all-reduce), 1 = shard optimizer states, 2 = also gradients,
+    3 = also parameters (ZeRO, arXiv 1910.02054, §5.1-5.3)."""
+
+    mixed_precision: str = "fp32"
+    """Compute dtype of the model's parameters: "fp32", "bf16" or "fp16". With bf16/fp16 the
+    optimizer updates an fp32 master copy of each rank's shard."""
+
+    reduce_dtype: Union[str, None] = None
+    """Dtype in which gradients are reduced and the owned gradient shard is kept; None means
+    the compute dtype (2 bytes per element under bf16, as the paper counts). "fp32" sums in
+    fp32 at twice the bytes."""
+
+    loss_scale: Union[str, float] = "dynamic"
+    """fp16 only: "dynamic" (grow/back off, skip steps with inf/nan) or a fixed positive number."""
+
+    initial_loss_scale: float = 2.0**16
+    """fp16 with dynamic scaling: the scale of the first step."""
+
+    loss_scale_growth_interval: int = 1000
+    """fp16 with dynamic scaling: clean steps after which the scale doubles."""
+
+    bucket_bytes: int = 25 * 2**20
+    """Size of one communication bucket (the paper's constant-size buffer, CB, §6.2): the
+    flat gradient/parameter buffer is split into buckets of at most this many bytes, each
+    reduced and gathered as one collective, whatever the model size."""
+
+    overlap_comm: bool = True
+    """Launch each bucket's reduction asynchronously from backward hooks as soon as it is
+    full, overlapping the rest of backward; False waits for each reduction in place."""
+
+    grad_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; gradients are communicated only at the last one,
+    and `optimizer.backward(loss)` divides the loss by this number."""
+
+    unit_modules: tuple = ()
+    """Stage 3: module classes (or class names) whose every instance is one unit, gathered
+    at once; e.g. (Block,). Empty means automatic units by `unit_min_params`."""
+
+    unit_min_params: int = 100_000
+    """Stage 3 with no `unit_modules`: a submodule whose parameter count reaches this becomes
+    a unit (the smallest such subtrees are chosen)."""
+
+    reshard_after_forward: bool = True
+    """Stage 3: free a unit's gathered parameters after its forward and gather them again in
+    backward (3Ψ per step); False keeps them until backward (2Ψ, more memory)."""
+
+    prefetch_units: int = 1
+    """Stage 3: how many units ahead to gather asynchronously, in forward and backward."""
+
+    debug: bool = False
+    """Check on every gather that all ranks run the same unit (stage 3), raising an error
+    that names the unit and the ranks instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise _bad("stage", self.stage, "use 0, 1, 2 or 3")
+        if self.mixed_precision not in DTYPES:
+            raise _bad("mixed_precision", self.mixed_precision, f"use one of {sorted(DTYPES)}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+            raise _bad("reduce_dtype", self.reduce_dtype, f"use None or one of {sorted(DTYPES)}")
+        ls = self.loss_scale
+        if isinstance(ls, str):
+            if ls != "dynamic":
+                raise _bad("loss_scale", ls, 'use "dynamic" or a positive number')
+        elif isinstance(ls, bool) or not isinstance(ls, (int, float)) or not ls > 0:
+            raise _bad("loss_scale", ls, 'use "dynamic" or a positive number')
+        if not _is_number(self.initial_loss_scale) or not self.initial_loss_scale > 0:
+            raise _bad("initial_loss_scale", self.initial_loss_scale, "use a positive number")
+        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
+        _positive_int("bucket_bytes", self.bucket_bytes)
+        _positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
+        _positive_int("unit_min_params", self.unit_min_params)
+        if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
+            raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
+        for name in ("overlap_comm", "reshard_after_forward", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "use true or false")
+        units = self.unit_modules
+        if isinstance(units, (str, type)):
+            units = (units,)
+        if not isinstance(units, (list, tuple)) or not all(isinstance(u, (str, type)) for u in units):
+            raise _bad("unit_modules", self.unit_modules, "use a list of nn.Module classes or class names")
+        object.__setattr__(self, "unit_modules", tuple(units))
+
+    # -- derived values -------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.mixed_precision]
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype] if self.reduce_dtype else self.compute_dtype
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.mixed_precision == "fp16"
+
+    # -- loading --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Config":
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"Config.from_dict needs a mapping, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"Config has no field {unknown[0]!r}: allowed fields are {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike]) -> "Config":
+        """Load a JSON (.json) or YAML (.yaml/.yml) file holding one mapping of fields."""
+        path = os.fspath(path)
+        with open(path) as f:
+            text = f.read()
+        if path.endswith(".json"):
+            values = json.loads(text)
+        elif path.endswith((".yaml", ".yml")):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"Config file {path!r} has an unknown suffix: use .json, .yaml or .yml")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["unit_modules"] = [u if isinstance(u, str) else u.__name__ for u in self.unit_modules]
+        return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _bad(name, value, "use a positive integer")

@@ -1,0 +1,221 @@
+"""The sharded optimizer for every stage: master shard, the user's optimizer over it,
+loss scaling, clipping, accumulation, and publishing the updated parameters.
+
+The user's optimizer is built on the model's own parameters (so its param groups and
+hyperparameters are the user's), then each group's parameters are swapped for the fp32
+master tensors of this rank's shard of that group. Its `step()` therefore only ever sees
+the owned 1/N of every state (ZeRO, arXiv 1910.02054, §5.1). This works for any
+optimizer whose update is elementwise (all of torch.optim but LBFGS and Adafactor).
+
+Master weights: with mixed_precision="fp32" the owned chunks of the parameters are their
+own master (views, no copy); with bf16/fp16 each shard has one fp32 master tensor, and
+the gradient is upcast into its `.grad` at step time (freed by zero_grad).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from typing import Protocol, Sequence
+
+import torch
+
+from .comm import Comm
+from .config import Config
+from .memory import MemoryReport, optimizer_state_nbytes
+from .precision import LossScaler
+
+log = logging.getLogger(__name__)
+
+# Optimizers whose update is not elementwise: flattening and sharding a parameter changes
+# their result, so they cannot be used with flat shards.
+NON_ELEMENTWISE = ("LBFGS", "Adafactor")
+
+
+class ShardStorage(Protocol):
+    """What the optimizer needs from a group's storage (stages 0-2: FlatParamGroup;
+    stage 3: a unit's sharded parameters)."""
+
+    def owned_params(self) -> list[torch.Tensor]: ...
+    def owned_grads(self) -> list[torch.Tensor]: ...
+    def owned_fp32(self) -> list[torch.Tensor]: ...
+    def publish(self, comm: Comm) -> None: ...
+    def zero_grad(self) -> None: ...
+
+
+class _Shard:
+    """One storage's owned pieces and the master tensors the inner optimizer updates."""
+
+    def __init__(self, storage, full_precision: bool):
+        self.storage = storage
+        if full_precision:
+            self.master_pieces = storage.owned_params()
+            self.master_tensors = list(self.master_pieces)
+        else:
+            fp32 = storage.owned_fp32()
+            master = torch.cat([t.reshape(-1) for t in fp32]) if fp32 else torch.empty(0)
+            self.master_tensors = [master]
+            self.master_pieces, at = [], 0
+            for t in fp32:
+                self.master_pieces.append(master[at: at + t.numel()])
+                at += t.numel()
+        self.full_precision = full_precision
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Public surface: backward, step, zero_grad, clip_grad_norm_, report, and
+    param_groups shared with the inner optimizer (so LR schedulers drive it)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]],
+                 comm: Comm, config: Config, grad_sync, stage3=None):
+        name = type(inner).__name__
+        if name in NON_ELEMENTWISE:
+            raise ValueError(f"{name} is not elementwise (it couples elements of a parameter), so it cannot "
+                             f"run on flat shards; use an elementwise optimizer such as AdamW or SGD")
+        self.inner, self.comm, self.config = inner, comm, config
+        self.grad_sync = grad_sync  # reducer (stages 0-2) or stage-3 engine: micro_step, grads_ready
+        self.stage3 = stage3
+        self.scaler = LossScaler.from_config(config)
+        full_precision = config.compute_dtype == torch.float32
+        self.shards: list[list[_Shard]] = []
+        for group, group_storages in zip(inner.param_groups, storages):
+            shards = [_Shard(s, full_precision) for s in group_storages]
+            self.shards.append(shards)
+            group["params"] = [t for s in shards for t in s.master_tensors]
+        inner.state.clear()
+        # Optimizer's bookkeeping, shared with the inner optimizer rather than copied.
+        self.defaults, self.state, self.param_groups = inner.defaults, inner.state, inner.param_groups
+        for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, attr, OrderedDict())
+        self._grads_prepared = False
+        self._found_inf = False
+        self.step_count = 0
+        self.last_grad_norm = None
+
+    def _all_shards(self):
+        return [s for group in self.shards for s in group]
+
+    # -- training loop ------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), scaled by the fp16 loss scale and divided by the accumulation steps."""
+        scale = self.scaler.scale / self.config.grad_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+
+    def _prepare_grads(self) -> None:
+        """Give every master tensor its unscaled fp32 gradient, once per step, and agree
+        across ranks whether any gradient is inf/nan."""
+        if self._grads_prepared:
+            return
+        if not self.grad_sync.grads_ready:
+            raise RuntimeError(
+                "step() or clip_grad_norm_() was called before a backward at the accumulation boundary: "
+                f"run optimizer.backward(loss) (grad_accumulation_steps={self.config.grad_accumulation_steps} "
+                f"backward calls per step, {self.grad_sync.micro_step} so far) first")
+        inv_scale = 1.0 / self.scaler.scale
+        local_inf = False
+        for shard in self._all_shards():
+            grads = shard.storage.owned_grads()
+            if shard.full_precision:
+                for m, g in zip(shard.master_tensors, grads):
+                    m.grad = g if g.dtype == torch.float32 else g.float()
+            else:
+                master = shard.master_tensors[0]
+                master.grad = torch.empty_like(master)
+                at = 0
+                for g in grads:
+                    master.grad[at: at + g.numel()].copy_(g.reshape(-1))
+                    at += g.numel()
+            for m in shard.master_tensors:
+                if inv_scale != 1.0:
+                    m.grad.mul_(inv_scale)
+                if self.config.uses_loss_scaling and not torch.isfinite(m.grad).all():
+                    local_inf = True
+        if self.config.uses_loss_scaling:
+            self._found_inf = self.comm.max_scalar(float(local_inf)) > 0
+        self._grads_prepared = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ on DDP would;
+        each rank reduces the norm of its shard, so no gradient is gathered."""
+        self._prepare_grads()
+        grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
+        local = [g.float() for g in grads if g.numel()]
+        norm_type = float(norm_type)
+        if math.isinf(norm_type):
+            local_max = max((g.abs().max().item() for g in local), default=0.0)
+            total = torch.tensor(local_max if self._owns_all() else self.comm.max_scalar(local_max))
+        else:
+            local_sum = sum((g.pow(norm_type).sum() for g in local), torch.zeros((), dtype=torch.float64))
+            if not self._owns_all():
+                local_sum = self.comm.sum_scalar(local_sum)
+            total = local_sum.to(torch.float64) ** (1.0 / norm_type)
+        total = total.to(torch.float32)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        self.last_grad_norm = total
+        return total
+
+    def _owns_all(self) -> bool:
+        return self.config.stage == 0 or self.comm.world_size == 1
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward before step()")
+        self._prepare_grads()
+        if self._found_inf:
+            log.warning("rank %d: inf/nan gradient, skipping step %d (loss scale %g -> %g)", self.comm.rank,
+                        self.step_count, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
+            self.scaler.update(found_inf=True)
+        else:
+            self.inner.step()
+            self.scaler.update(found_inf=False)
+            for shard in self._all_shards():
+                if not shard.full_precision:
+                    for piece, param in zip(shard.master_pieces, shard.storage.owned_params()):
+                        param.copy_(piece.view_as(param))
+                shard.storage.publish(self.comm)
+        self.step_count += 1
+        self._grads_prepared = False
+        self._found_inf = False
+        self.grad_sync.after_step()
+        self.comm.ledger.end_step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for shard in self._all_shards():
+            shard.storage.zero_grad()
+            for m in shard.master_tensors:
+                m.grad = None
+
+    # -- reports ------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        seen, params, grads, master = set(), 0, 0, 0
+        for shard in self._all_shards():
+            if id(shard.storage) not in seen:
+                seen.add(id(shard.storage))
+                mem = shard.storage.memory()
+                params += mem["params"]
+                grads += mem["grads"]
+            if not shard.full_precision:
+                master += sum(m.numel() * m.element_size() for m in shard.master_tensors)
+        storages = [s.storage for s in self._all_shards()]
+        numel = sum(st.layout.numel for st in {id(s): s for s in storages}.values())
+        padded = sum(st.layout.padded_numel for st in {id(s): s for s in storages}.values())
+        comm_buffers = getattr(self.grad_sync, "pool", None)
+        return MemoryReport(
+            params=params, grads=grads, master=master,
+            optimizer_states=optimizer_state_nbytes(self.inner),
+            comm_buffers=comm_buffers.allocated_nbytes if comm_buffers is not None else 0,
+            numel=numel, padded_numel=padded, world_size=self.comm.world_size, stage=self.config.stage,
+            gathered_params_peak=self.stage3.gathered_peak_nbytes if self.stage3 is not None else 0)
+
+    def report(self) -> dict:
+        """This rank's memory ledger and the last step's communication, as plain data."""
+        return {"memory": self.memory_report().as_dict(), "comm": self.comm.ledger.summary(),
+                "loss_scale": self.scaler.scale, "step": self.step_count}

@@ -1,0 +1,304 @@
+"""Stages 0-2: parameters in flat buffers and gradients reduced in buckets from backward hooks.
+
+Each optimizer param group becomes one `FlatParamGroup` (see [Note: flat layout] in
+flat.py). A segment of the flat buffer is the communication bucket: it is reduced as soon
+as every parameter overlapping it has its gradient accumulated
+(`Tensor.register_post_accumulate_grad_hook`), only on the backward at the accumulation
+boundary. Segments are launched strictly in one fixed order, the same on every rank, so
+collectives always match even if autograd finishes parameters in another order; whatever
+is left (unused parameters) is launched by a callback queued at the end of backward.
+
+Where gradients live:
+- stage 0/1: a full flat gradient buffer; parameters' `.grad` are views of it, so
+  autograd accumulates in place (DDP's gradient_as_bucket_view). Stage 0 all-reduces a
+  segment in place; stage 1 reduce-scatters it in place, so the owned chunk holds the
+  averaged gradient and the rest of the buffer is stale.
+- stage 2: parameters keep autograd's own `.grad` during accumulation; at the boundary
+  each is copied into a pooled bucket buffer and freed, and the bucket is reduce-scattered
+  into a gradient shard of `shard_numel` elements. Only buckets in flight are full-size.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .flat import FlatLayout, Piece
+
+log = logging.getLogger(__name__)
+
+
+class FlatParamGroup:
+    """One param group's parameters as views of a flat compute-dtype buffer, and its gradients."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm, stage: int,
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, bucket_bytes: int):
+        self.params, self.names, self.stage = params, names, stage
+        self.rank, self.world_size = comm.rank, comm.world_size
+        device = params[0].device
+        bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=reduce_dtype).element_size())
+        self.layout = FlatLayout([p.shape for p in params], comm.world_size, bucket_numel)
+        self.reduce_dtype = reduce_dtype
+        fp32 = self.layout.flatten(params, torch.float32, device)
+        self.flat = fp32 if compute_dtype == torch.float32 else fp32.to(compute_dtype)
+        # The fp32 originals are kept only until the optimizer has built its master shard,
+        # so the master starts from the exact initial values, not their bf16/fp16 rounding.
+        self._initial_fp32: Optional[torch.Tensor] = None if self.flat is fp32 else fp32
+        for p, view in zip(params, self.layout.views(self.flat)):
+            p.data = view
+        shard_numel = self.layout.shard_numel
+        if stage < 2:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.grad_views = self.layout.views(self.grad_flat)
+            for p, g in zip(params, self.grad_views):
+                p.grad = g
+            self.grad_shard = None
+        else:
+            self.grad_flat, self.grad_views = None, None
+            self.grad_shard = torch.zeros(shard_numel, dtype=reduce_dtype, device=device)
+
+    # -- the owned part, as the optimizer sees it -------------------------------------
+    def owned_pieces(self):
+        """Pieces this rank updates: the whole buffer at stage 0, its chunks otherwise."""
+        if self.stage == 0:
+            return [Piece(0, 0, self.layout.padded_numel)]
+        return self.layout.shard_pieces(self.rank)
+
+    def owned_params(self) -> list[torch.Tensor]:
+        return [self.flat[p.flat_start: p.flat_start + p.numel] for p in self.owned_pieces()]
+
+    def owned_fp32(self) -> list[torch.Tensor]:
+        src = self._initial_fp32 if self._initial_fp32 is not None else self.flat
+        out = [src[p.flat_start: p.flat_start + p.numel].float().clone() for p in self.owned_pieces()]
+        self._initial_fp32 = None
+        return out
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        if self.grad_shard is not None:
+            return [self.grad_shard[p.shard_start: p.shard_start + p.numel] for p in self.owned_pieces()]
+        return [self.grad_flat[p.flat_start: p.flat_start + p.numel] for p in self.owned_pieces()]
+
+    def publish(self, comm: Comm) -> None:
+        """After the step: every rank's updated chunks rebuild the full buffer (stages 1-2)."""
+        if self.stage == 0:
+            return
+        for i, seg in enumerate(self.layout.segments):
+            chunk = self.layout.chunk(i, self.rank)
+            comm.all_gather(self.flat[seg.start: seg.end],
+                            self.flat[chunk.flat_start: chunk.flat_start + chunk.numel], "step")
+
+    def zero_grad(self) -> None:
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+            for p, g in zip(self.params, self.grad_views):
+                p.grad = g
+        else:
+            self.grad_shard.zero_()
+            for p in self.params:
+                p.grad = None
+
+    def memory(self) -> dict:
+        grads = self.grad_flat if self.grad_flat is not None else self.grad_shard
+        return {"params": self.flat.numel() * self.flat.element_size(),
+                "grads": grads.numel() * grads.element_size()}
+
+
+@dataclass(eq=False)
+class _Bucket:
+    group: FlatParamGroup
+    seg_index: int
+    pending: int  # parameters overlapping the segment whose gradient is not in yet
+    launched: bool = False
+    buffer: Optional[torch.Tensor] = None  # reduce-dtype staging, when one is needed
+    work: object = None
+
+
+@dataclass
+class _BufferPool:
+    """Reusable reduce-dtype bucket buffers (CB): allocated once, then recycled."""
+
+    free: list = field(default_factory=list)
+    allocated_nbytes: int = 0
+
+    def get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        for i, buf in enumerate(self.free):
+            if buf.numel() >= numel and buf.dtype == dtype:
+                return self.free.pop(i)[:numel]
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        self.allocated_nbytes += buf.numel() * buf.element_size()
+        return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        self.free.append(base)
+
+
+class GradReducer:
+    """Launches each bucket's reduction from backward hooks (stages 0-2)."""
+
+    def __init__(self, groups: list[FlatParamGroup], comm: Comm, accumulation_steps: int,
+                 overlap: bool, backward_order: dict):
+        self.groups, self.comm = groups, comm
+        self.accumulation_steps, self.overlap = accumulation_steps, overlap
+        self.pool = _BufferPool()
+        self.micro_step = 0  # backward passes since the last step
+        self.grads_ready = False  # the boundary backward has finished reducing
+        self._callback_queued = False
+        # Buckets in launch order: by when their last parameter is expected to finish in
+        # backward (reverse registration order), identical on every rank.
+        self.buckets: list[_Bucket] = []
+        self._param_buckets: dict[int, list[_Bucket]] = {}
+        for g in groups:
+            for i in range(len(g.layout.segments)):
+                self.buckets.append(_Bucket(g, i, 0))
+        by_seg = {(id(b.group), b.seg_index): b for b in self.buckets}
+        order_key = {}
+        for g in groups:
+            for pi, p in enumerate(g.params):
+                for si in g.layout.segments_of(pi):
+                    b = by_seg[(id(g), si)]
+                    self._param_buckets.setdefault(id(p), []).append(b)
+                    order_key[id(b)] = max(order_key.get(id(b), -1), backward_order[id(p)])
+        self.buckets.sort(key=lambda b: order_key.get(id(b), -1))
+        self._base_pending = {id(b): sum(1 for lst in self._param_buckets.values() if b in lst) for b in self.buckets}
+        self._consumed: set = set()
+        self._next = 0
+        self._handles = []
+        for g in groups:
+            for pi, p in enumerate(g.params):
+                p.register_post_accumulate_grad_hook(self._make_hook(g, pi))
+        self._reset_buckets()
+
+    # -- per-backward state -----------------------------------------------------------
+    def _reset_buckets(self) -> None:
+        for b in self.buckets:
+            b.pending, b.launched, b.buffer, b.work = self._base_pending[id(b)], False, None, None
+        self._consumed.clear()
+        self._next = 0
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.micro_step + 1 >= self.accumulation_steps
+
+    def _make_hook(self, group: FlatParamGroup, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(group, index, param)
+        return hook
+
+    def _on_grad_ready(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
+        if self.grads_ready:
+            raise RuntimeError(
+                f"backward ran again after the accumulation boundary (grad_accumulation_steps="
+                f"{self.accumulation_steps}) without optimizer.step(): call step() and zero_grad() first")
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if group.grad_views is not None and param.grad is not group.grad_views[index]:
+            # Someone replaced .grad (e.g. model.zero_grad(set_to_none=True)); fold it back.
+            group.grad_views[index].copy_(param.grad)
+            param.grad = group.grad_views[index]
+        if not self.at_boundary:
+            return
+        self._consume(group, index, param)
+        for b in self._param_buckets[id(param)]:
+            b.pending -= 1
+        self._launch_ready(flush=False)
+
+    def _consume(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
+        """Stage 2: move a parameter's gradient into its buckets' buffers and free it."""
+        if id(param) in self._consumed:
+            return
+        self._consumed.add(id(param))
+        if group.grad_shard is None:
+            return
+        slot = group.layout.slots[index]
+        grad = param.grad
+        for b in self._param_buckets[id(param)]:
+            seg = group.layout.segments[b.seg_index]
+            if b.buffer is None:
+                b.buffer = self.pool.get(seg.numel, group.reduce_dtype, group.flat.device)
+                b.buffer.zero_()
+            if grad is None:
+                continue
+            lo, hi = max(slot.offset, seg.start), min(slot.offset + slot.numel, seg.end)
+            b.buffer[lo - seg.start: hi - seg.start].copy_(grad.reshape(-1)[lo - slot.offset: hi - slot.offset])
+        param.grad = None
+
+    def _launch_ready(self, flush: bool) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending > 0 and not flush:
+                return
+            if flush and b.group.grad_shard is not None:
+                for pi, p in enumerate(b.group.params):
+                    if b in self._param_buckets.get(id(p), ()):
+                        self._consume(b.group, pi, p)
+            self._launch(b)
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        g, comm = b.group, self.comm
+        seg = g.layout.segments[b.seg_index]
+        chunk = g.layout.chunk(b.seg_index, g.rank)
+        n = comm.world_size
+        if g.grad_shard is not None:  # stage 2: bucket buffer -> gradient shard
+            if b.buffer is None:
+                b.buffer = self.pool.get(seg.numel, g.reduce_dtype, g.flat.device)
+                b.buffer.zero_()
+            b.buffer.div_(n)
+            out = g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel]
+            b.work = comm.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap)
+        else:
+            grads = g.grad_flat[seg.start: seg.end]
+            if g.reduce_dtype != grads.dtype:
+                b.buffer = self.pool.get(seg.numel, g.reduce_dtype, grads.device)
+                b.buffer.copy_(grads)
+                target = b.buffer
+            else:
+                target = grads
+            # Divide before summing, as DDP does, so fp16/bf16 sums stay in range.
+            target.div_(n)
+            if g.stage == 0:
+                b.work = comm.all_reduce(target, "backward", async_op=self.overlap)
+            else:
+                size = chunk.numel
+                local = chunk.flat_start - seg.start
+                b.work = comm.reduce_scatter(target[local: local + size], target, "backward", async_op=self.overlap)
+        b.launched = True
+        if not self.overlap:
+            self._finish(b)
+
+    def _finish(self, b: _Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        g = b.group
+        if b.buffer is not None:
+            if g.grad_shard is None:  # reduced in a wider dtype: write back what we need
+                seg = g.layout.segments[b.seg_index]
+                if g.stage == 0:
+                    g.grad_flat[seg.start: seg.end].copy_(b.buffer)
+                else:
+                    c = g.layout.chunk(b.seg_index, g.rank)
+                    local = c.flat_start - seg.start
+                    g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(b.buffer[local: local + c.numel])
+            self.pool.put(b.buffer)
+            b.buffer = None
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        if self.at_boundary:
+            self._launch_ready(flush=True)
+            for b in self.buckets:
+                self._finish(b)
+            self.grads_ready = True
+        self.micro_step += 1
+
+    def after_step(self) -> None:
+        self.micro_step = 0
+        self.grads_ready = False
+        self._reset_buckets()

@@ -1,0 +1,262 @@
+"""Cases for stages 0-2, run inside one spawned world per world size (see test_core.py).
+
+Each case returns plain numbers; the tests assert on them in the parent process.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerodp
+from zerodp.memory import formula_bytes
+
+STEPS = 5
+SMALL_BUCKET = 256  # bytes: 64 fp32 elements, so the 171-element model spans several buckets
+
+
+class Net(nn.Module):
+    """171 trainable elements: odd, so never divisible by the world size."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 11)
+        self.norm = nn.LayerNorm(11)
+        self.fc2 = nn.Linear(11, 5)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.frozen = nn.Linear(5, 5) if frozen else None
+        if frozen:
+            self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        y = self.fc2(torch.tanh(self.norm(self.fc1(x)))) * self.scale
+        return self.frozen(y) if self.frozen is not None else y
+
+
+class Tiny(nn.Module):
+    """Fewer elements (3) than ranks at world size 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+
+    def forward(self, x):
+        return (x[:, :3] * self.w).sum(1, keepdim=True).expand(-1, 5)
+
+
+def adamw_two_groups(params):
+    params = list(params)
+    return torch.optim.AdamW([
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 5e-3},
+    ], lr=1e-2)
+
+
+def sgd_momentum(params):
+    return torch.optim.SGD(list(params), lr=0.05, momentum=0.9)
+
+
+OPTIMIZERS = {"adamw": adamw_two_groups, "sgd": sgd_momentum}
+
+
+def batch(step: int, rank: int, micro: int = 0, rows: int = 4):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(rows, 7, generator=g)
+    y = torch.randn(rows, 5, generator=g)
+    return x, y
+
+
+def loss_fn(out, y):
+    return (out.float() - y).pow(2).mean()
+
+
+def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None):
+    """torch DDP + the same optimizer; for bf16/fp16, DDP over a low-precision copy with
+    an fp32 master updated by the optimizer (the mixed-precision recipe zerodp follows)."""
+    torch.manual_seed(0)
+    model = model_fn()
+    losses, norms = [], []
+    if dtype == torch.float32:
+        ddp, master_params = DDP(model), None
+        opt = opt_fn(model.parameters())
+    else:
+        compute = copy.deepcopy(model).to(dtype)
+        ddp = DDP(compute)
+        master_params = [p for p in model.parameters() if p.requires_grad]
+        opt = opt_fn(master_params)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        loss = loss_fn(ddp(x.to(dtype)), y)
+        loss.backward()
+        if master_params is not None:
+            trainable = [p for p in ddp.module.parameters() if p.requires_grad]
+            for m, c in zip(master_params, trainable):
+                m.grad = c.grad.float()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(
+                master_params if master_params is not None else ddp.module.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        ddp.module.zero_grad()
+        if master_params is not None:
+            with torch.no_grad():
+                for m, c in zip(master_params, [p for p in ddp.module.parameters() if p.requires_grad]):
+                    c.copy_(m)
+        losses.append(float(loss.detach()))
+    return ddp.module, losses, norms
+
+
+def train_zerodp(model_fn, opt_fn, cfg, rank, steps=STEPS, clip=None, micro_batches=1):
+    torch.manual_seed(0)
+    model, opt = zerodp.initialize(model_fn(), opt_fn, cfg)
+    losses, norms, volumes = [], [], []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(micro_batches):
+            x, y = batch(step, rank)
+            if micro_batches > 1:  # the step's batch, cut into micro-batches
+                x, y = x[micro::micro_batches], y[micro::micro_batches]
+            loss = loss_fn(model(x), y)
+            opt.backward(loss)
+            total += float(loss.detach()) / micro_batches
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        volumes.append(opt.comm.ledger.summary())
+    return model, opt, losses, norms, volumes
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest ||a-b|| / ||b|| over the parameters (each compared in fp32, by name)."""
+    worst = 0.0
+    theirs = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        q = theirs[n].detach().float()
+        worst = max(worst, float((p.detach().float() - q).norm() / q.norm().clamp_min(1e-12)))
+    return worst
+
+
+def parity_grid(rank, world_size):
+    out = {}
+    for stage in (0, 1, 2):
+        for precision in ("fp32", "bf16"):
+            for opt_name, opt_fn in OPTIMIZERS.items():
+                cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET)
+                ref, ref_losses, _ = train_reference(Net, opt_fn, cfg.compute_dtype, rank)
+                model, opt, losses, _, volumes = train_zerodp(Net, opt_fn, cfg, rank)
+                out[(stage, precision, opt_name)] = {
+                    "param_rel_diff": max_rel_diff(model, ref),
+                    "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                    "volume": volumes[-1]["volume_numel"],
+                    "by_op": volumes[-1]["by_op"],
+                    "memory": opt.memory_report().as_dict(),
+                    "names": list(model.state_dict().keys()),
+                }
+    return out
+
+
+def special_cases(rank, world_size):
+    out = {}
+    # Frozen parameters: left alone (not sharded, not updated), the rest equal DDP.
+    cfg = zerodp.Config(stage=2, bucket_bytes=SMALL_BUCKET)
+    frozen_model = lambda: Net(frozen=True)  # noqa: E731
+    ref, _, _ = train_reference(frozen_model, adamw_two_groups, torch.float32, rank)
+    model, opt, *_ = train_zerodp(frozen_model, adamw_two_groups, cfg, rank)
+    torch.manual_seed(0)
+    initial_frozen = Net(frozen=True).frozen.weight.detach().clone()
+    out["frozen"] = {"rel_diff": max_rel_diff(model, ref),
+                     "frozen_unchanged": bool(torch.equal(model.frozen.weight, initial_frozen)),
+                     "numel": opt.memory_report().numel}
+    # A model with fewer elements than ranks.
+    for stage in (1, 2):
+        cfg = zerodp.Config(stage=stage)
+        ref, _, _ = train_reference(Tiny, sgd_momentum, torch.float32, rank)
+        model, *_ = train_zerodp(Tiny, sgd_momentum, cfg, rank)
+        out[f"tiny_stage{stage}"] = max_rel_diff(model, ref)
+    # Accumulation over 2 micro-batches equals one step on the whole batch.
+    for stage in (0, 1, 2):
+        cfg = zerodp.Config(stage=stage, grad_accumulation_steps=2, bucket_bytes=SMALL_BUCKET)
+        ref, *_ = train_reference(Net, adamw_two_groups, torch.float32, rank)
+        model, opt, _, _, volumes = train_zerodp(Net, adamw_two_groups, cfg, rank, micro_batches=2)
+        out[f"accum_stage{stage}"] = {"rel_diff": max_rel_diff(model, ref), "volume": volumes[-1]["volume_numel"]}
+    # Clipping: the same total norm as clip_grad_norm_ on DDP, and the same parameters.
+    for stage in (0, 1, 2):
+        cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET)
+        ref, _, ref_norms = train_reference(Net, adamw_two_groups, torch.float32, rank, clip=0.05)
+        model, _, _, norms, _ = train_zerodp(Net, adamw_two_groups, cfg, rank, clip=0.05)
+        out[f"clip_stage{stage}"] = {"norms": norms, "ref_norms": ref_norms, "rel_diff": max_rel_diff(model, ref)}
+    # LR scheduler drives the returned optimizer.
+    model, opt = zerodp.initialize(Net(), torch.optim.SGD, zerodp.Config(stage=1), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = batch(0, rank)
+    opt.backward(loss_fn(model(x), y))
+    opt.step()
+    sched.step()
+    out["lr_after_sched"] = opt.param_groups[0]["lr"]
+    out["step_without_backward"] = _error_of(lambda: opt.step())
+    return out
+
+
+def fp16_overflow(rank, world_size):
+    """A forced inf on one rank skips the step on every rank and halves the scale."""
+    cfg = zerodp.Config(stage=2, mixed_precision="fp16", initial_loss_scale=1024.0, loss_scale_growth_interval=2)
+    torch.manual_seed(0)
+    model, opt = zerodp.initialize(Net(), adamw_two_groups, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = batch(0, rank)
+    loss = loss_fn(model(x), y)
+    if rank == world_size - 1:
+        loss = loss * float("inf")
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    scale_after_skip = opt.scaler.scale
+    losses = []
+    for step in range(1, 5):
+        x, y = batch(step, rank)
+        loss = loss_fn(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    return {"unchanged_after_skip": unchanged, "scale_after_skip": scale_after_skip,
+            "scale_end": opt.scaler.scale, "changed_later": changed, "losses": losses,
+            "skipped": opt.scaler.skipped_steps}
+
+
+def memory_model_state(rank, world_size):
+    """The memory ledger against the stage formula, for bf16 and fp32 AdamW."""
+    out = {}
+    for precision, pbytes, master, states in (("bf16", 2, 4, 8), ("fp32", 4, 0, 8)):
+        for stage in (0, 1, 2):
+            cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET)
+            model, opt, *_ = train_zerodp(Net, lambda ps: torch.optim.AdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
+            rep = opt.memory_report()
+            expect = formula_bytes(stage, rep.padded_numel, world_size, pbytes, pbytes, master, states)
+            got = {k: getattr(rep, k) for k in expect}
+            out[(precision, stage)] = {"got": got, "expect": expect, "numel": rep.numel,
+                                       "padded": rep.padded_numel}
+    return out
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type and message
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def core_world(rank, world_size):
+    return {
+        "parity": parity_grid(rank, world_size),
+        "special": special_cases(rank, world_size),
+        "fp16": fp16_overflow(rank, world_size),
+        "memory": memory_model_state(rank, world_size),
+    }

@@ -1,0 +1,95 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import zerodp
+from zerodp import Config, ConfigError
+
+# The set of options is pinned: adding one is a decision, not a drive-by.
+FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_loss_scale",
+          "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
+          "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug"}
+
+
+def test_fields_are_pinned():
+    assert {f.name for f in dataclasses.fields(Config)} == FIELDS
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().stage = 1
+
+
+BAD = [
+    ({"stage": 4}, "stage", "0, 1, 2 or 3"),
+    ({"stage": "2"}, "stage", "0, 1, 2 or 3"),
+    ({"mixed_precision": "fp8"}, "mixed_precision", "bf16"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype", "fp32"),
+    ({"loss_scale": "auto"}, "loss_scale", "dynamic"),
+    ({"loss_scale": -1.0}, "loss_scale", "positive"),
+    ({"bucket_bytes": -5}, "bucket_bytes", "positive integer"),
+    ({"bucket_bytes": 0}, "bucket_bytes", "positive integer"),
+    ({"grad_accumulation_steps": 0}, "grad_accumulation_steps", "positive integer"),
+    ({"overlap_comm": "yes"}, "overlap_comm", "true or false"),
+    ({"prefetch_units": -1}, "prefetch_units", ">= 0"),
+    ({"unit_modules": [3]}, "unit_modules", "classes or class names"),
+    ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
+]
+
+
+@pytest.mark.parametrize("values,field,allowed", BAD, ids=[b[1] + "=" + repr(list(b[0].values())[0]) for b in BAD])
+def test_bad_values_name_field_value_and_fix(values, field, allowed):
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(values)
+    msg = str(e.value)
+    assert f"Config.{field}=" in msg and repr(list(values.values())[0]) in msg and allowed in msg
+
+
+def test_unknown_key():
+    with pytest.raises(ConfigError, match="no field 'stages'.*allowed fields"):
+        Config.from_dict({"stages": 2})
+
+
+def test_from_json_and_yaml(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"stage": 1, "mixed_precision": "bf16"}))
+    (tmp_path / "c.yaml").write_text("stage: 3\nbucket_bytes: 1024\nunit_modules: [Block]\n")
+    assert Config.from_file(tmp_path / "c.json") == Config(stage=1, mixed_precision="bf16")
+    c = Config.from_file(tmp_path / "c.yaml")
+    assert (c.stage, c.bucket_bytes, c.unit_modules) == (3, 1024, ("Block",))
+    (tmp_path / "c.yaml").write_text("stage: 7\n")
+    with pytest.raises(ConfigError, match="stage=7"):
+        Config.from_file(tmp_path / "c.yaml")
+    (tmp_path / "c.toml").write_text("")
+    with pytest.raises(ConfigError, match="suffix"):
+        Config.from_file(tmp_path / "c.toml")
+
+
+def test_derived_dtypes():
+    c = Config(mixed_precision="bf16")
+    assert c.compute_dtype == torch.bfloat16 and c.grad_reduce_dtype == torch.bfloat16
+    assert Config(mixed_precision="bf16", reduce_dtype="fp32").grad_reduce_dtype == torch.float32
+
+
+def test_initialize_errors():
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zerodp.initialize(frozen, torch.optim.SGD, Config(), lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+        zerodp.initialize(torch.nn.Linear(2, 2), "adam", Config())
+    with pytest.raises(ValueError, match="only for an optimizer class"):
+        zerodp.initialize(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=1), Config(), lr=0.1)
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="in no optimizer param group"):
+        zerodp.initialize(m, lambda ps: torch.optim.SGD([m.weight], lr=1), Config())
+    with pytest.raises(ValueError, match="not elementwise"):
+        zerodp.initialize(torch.nn.Linear(2, 2), torch.optim.LBFGS, Config())
+    with pytest.raises(ConfigError):
+        zerodp.initialize(torch.nn.Linear(2, 2), torch.optim.SGD, {"stage": 9}, lr=0.1)
+
+
+def test_init_distributed_single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert zerodp.init_distributed() == (0, 1)

@@ -1,0 +1,113 @@
+"""Stages 0-2 against torch DDP, in one spawned world per world size (cases: core_cases.py)."""
+import pytest
+
+from core_cases import Net, core_world
+from harness import run_world
+
+# fp32: the only difference from DDP is the order in which gloo sums the N gradients
+# (bucket sizes differ), a few ulps (1.2e-7 each) per step; Adam divides by sqrt(v),
+# which keeps that relative, so after 5 steps a parameter tensor agrees within 1e-6
+# relative (||a-b|| / ||b||).
+FP32_TOL = 1e-6
+# bf16 keeps 8 significant bits (ulp 2^-8 = 3.9e-3 relative): a sum of N bf16 gradients in
+# another order may round one ulp apart, and 5 steps carry a few such roundings.
+BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"N{n}")
+def world(request):
+    results = run_world(request.param, core_world, timeout_s=400)
+    return request.param, results
+
+
+def test_parity_with_ddp(world):
+    n, results = world
+    for rank_result in results:
+        for (stage, precision, opt), r in rank_result["parity"].items():
+            tol = FP32_TOL if precision == "fp32" else BF16_TOL
+            assert r["param_rel_diff"] <= tol, (n, stage, precision, opt, r["param_rel_diff"])
+
+
+def test_state_dict_keeps_original_names(world):
+    _, results = world
+    names = results[0]["parity"][(2, "fp32", "adamw")]["names"]
+    assert names == list(Net().state_dict().keys())
+    assert "scale" in names and not any(n.startswith("module.") for n in names)
+
+
+def test_comm_volume_is_two_psi(world):
+    n, results = world
+    psi = 171
+    padded = -(-psi // n) * n
+    for (stage, precision, opt), r in results[0]["parity"].items():
+        # stage 0 all-reduces (2Ψ), stages 1-2 reduce-scatter Ψ and all-gather Ψ;
+        # the padded flat buffer adds fewer than N elements to each.
+        assert r["volume"] == 2 * padded, (stage, r)
+        if stage == 0:
+            assert r["by_op"] == {"all_reduce/backward": 2 * padded}
+        else:
+            assert r["by_op"] == {"reduce_scatter/backward": padded, "all_gather/step": padded}
+
+
+def test_memory_ledger_matches_formula(world):
+    n, results = world
+    for rank_result in results:
+        for (precision, stage), r in rank_result["memory"].items():
+            assert r["got"] == r["expect"], (n, precision, stage)
+            assert r["padded"] - r["numel"] < n
+    # The formula itself, spelled out once for bf16 stage 2: 2Ψ params, 2Ψ/N grads,
+    # 4Ψ/N master, 8Ψ/N Adam states.
+    r = results[0]["memory"][("bf16", 2)]
+    p = r["padded"]
+    assert r["got"] == {"params": 2 * p, "grads": 2 * p // n, "master": 4 * p // n, "optimizer_states": 8 * p // n}
+    r = results[0]["memory"][("fp32", 1)]
+    assert r["got"] == {"params": 4 * p, "grads": 4 * p, "master": 0, "optimizer_states": 8 * p // n}
+
+
+def test_frozen_parameters_left_alone(world):
+    _, results = world
+    r = results[0]["special"]["frozen"]
+    assert r["frozen_unchanged"]
+    assert r["numel"] == 171  # the frozen Linear(5, 5) is not in the flat buffers
+    assert r["rel_diff"] <= FP32_TOL
+
+
+def test_model_smaller_than_world(world):
+    _, results = world
+    for stage in (1, 2):
+        assert results[0]["special"][f"tiny_stage{stage}"] <= FP32_TOL
+
+
+def test_accumulation_equals_large_batch(world):
+    n, results = world
+    padded = -(-171 // n) * n
+    for stage in (0, 1, 2):
+        r = results[0]["special"][f"accum_stage{stage}"]
+        assert r["rel_diff"] <= FP32_TOL, (stage, r)
+        assert r["volume"] == 2 * padded  # communication only at the boundary
+
+
+def test_clip_grad_norm_equals_ddp(world):
+    _, results = world
+    for stage in (0, 1, 2):
+        r = results[0]["special"][f"clip_stage{stage}"]
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-6)
+        assert max(r["ref_norms"]) > 0.05  # clipping really happened
+        assert r["rel_diff"] <= FP32_TOL
+
+
+def test_lr_scheduler_and_step_without_backward(world):
+    _, results = world
+    special = results[0]["special"]
+    assert special["lr_after_sched"] == pytest.approx(0.05)
+    assert "before a backward" in special["step_without_backward"]
+
+
+def test_fp16_overflow_skips_on_every_rank(world):
+    n, results = world
+    for r in results:
+        assert r["fp16"]["unchanged_after_skip"]
+        assert r["fp16"]["scale_after_skip"] == 512.0  # 1024 halved
+        assert r["fp16"]["skipped"] == 1
+        assert r["fp16"]["changed_later"]
+        assert r["fp16"]["scale_end"] == 2048.0  # grew twice after 2 clean steps each
