@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -39,7 +40,8 @@ class ShardStorage(Protocol):
     def owned_params(self) -> list[torch.Tensor]: ...
     def owned_grads(self) -> list[torch.Tensor]: ...
     def owned_fp32(self) -> list[torch.Tensor]: ...
-    def publish(self, comm: Comm) -> None: ...
+    def owned_pieces(self) -> list: ...
+    def publish(self, comm: Comm, phase: str = "step") -> None: ...
     def zero_grad(self) -> None: ...
 
 
@@ -60,6 +62,29 @@ class _Shard:
                 self.master_pieces.append(master[at: at + t.numel()])
                 at += t.numel()
         self.full_precision = full_precision
+        # (index into master_tensors, offset in it) of each owned piece
+        if full_precision:
+            self.piece_at = [(i, 0) for i in range(len(self.master_pieces))]
+        else:
+            self.piece_at, at = [], 0
+            for t in self.master_pieces:
+                self.piece_at.append((0, at))
+                at += t.numel()
+
+
+@dataclass
+class OwnedSlice:
+    """Elements [start, start+numel) of one flattened parameter that this rank owns, with
+    views of its compute value, fp32 master and per-element optimizer states."""
+
+    name: str
+    shape: tuple
+    group: int
+    start: int
+    numel: int
+    param: torch.Tensor
+    master: torch.Tensor
+    states: dict
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -175,11 +200,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.inner.step()
             self.scaler.update(found_inf=False)
-            for shard in self._all_shards():
-                if not shard.full_precision:
-                    for piece, param in zip(shard.master_pieces, shard.storage.owned_params()):
-                        param.copy_(piece.view_as(param))
-                shard.storage.publish(self.comm)
+            self.sync_params_from_master()
         self.step_count += 1
         self._grads_prepared = False
         self._found_inf = False
@@ -193,20 +214,115 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for m in shard.master_tensors:
                 m.grad = None
 
-    # -- reports ------------------------------------------------------------------------
-    def memory_report(self) -> MemoryReport:
-        seen, params, grads, master = set(), 0, 0, 0
+    # -- state by parameter name (checkpoints) ---------------------------------------------
+    def owned_slices(self) -> list[OwnedSlice]:
+        """Every run of parameter elements this rank owns, by parameter name; independent of
+        the world size and stage, so a checkpoint written from it can be read by any other."""
+        out = []
+        for gi, group in enumerate(self.shards):
+            for shard in group:
+                st = shard.storage
+                params = st.owned_params()
+                for pi, piece in enumerate(st.owned_pieces()):
+                    ti, base = shard.piece_at[pi]
+                    master_t = shard.master_tensors[ti]
+                    states = {k: v for k, v in self.inner.state.get(master_t, {}).items()
+                              if torch.is_tensor(v) and v.numel() == master_t.numel() and v.numel() > 1}
+                    for si, slot in enumerate(st.layout.slots):
+                        lo = max(slot.offset, piece.flat_start)
+                        hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
+                        if lo >= hi:
+                            continue
+                        a, b = lo - piece.flat_start, hi - piece.flat_start
+                        out.append(OwnedSlice(
+                            name=st.names[si], shape=slot.shape, group=gi, start=lo - slot.offset, numel=hi - lo,
+                            param=params[pi].reshape(-1)[a:b],
+                            master=master_t.reshape(-1)[base + a: base + b],
+                            states={k: v.reshape(-1)[base + a: base + b] for k, v in states.items()}))
+        return out
+
+    def scalar_states(self) -> list[dict]:
+        """Per param group, the optimizer's scalar states (e.g. Adam's step), which torch's
+        optimizers keep equal across a group's parameters."""
+        out = []
+        for gi, group in enumerate(self.shards):
+            found = {}
+            for shard in group:
+                for t in shard.master_tensors:
+                    for k, v in self.inner.state.get(t, {}).items():
+                        if not (torch.is_tensor(v) and v.numel() == t.numel() and v.numel() > 1):
+                            found.setdefault(k, float(v) if torch.is_tensor(v) else v)
+            out.append(found)
+        return out
+
+    @torch.no_grad()
+    def materialize_state(self) -> None:
+        """Create the optimizer's states (as its first step would) without changing any
+        parameter: a step with zero gradients and learning rate 0, as torch DCP does."""
+        if all(len(self.inner.state.get(t, {})) for s in self._all_shards() for t in s.master_tensors):
+            return
+        saved_lr = [g["lr"] for g in self.inner.param_groups]
+        for s in self._all_shards():
+            for t in s.master_tensors:
+                t.grad = torch.zeros_like(t)
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        try:
+            self.inner.step()
+        finally:
+            for g, lr in zip(self.inner.param_groups, saved_lr):
+                g["lr"] = lr
+            for s in self._all_shards():
+                for t in s.master_tensors:
+                    t.grad = None
+
+    @torch.no_grad()
+    def load_scalar_states(self, scalars: list[dict]) -> None:
+        for group, values in zip(self.shards, scalars):
+            for shard in group:
+                for t in shard.master_tensors:
+                    state = self.inner.state[t]
+                    for k, v in values.items():
+                        if torch.is_tensor(state.get(k)):
+                            state[k].fill_(v)
+                        else:
+                            state[k] = v
+
+    @torch.no_grad()
+    def sync_params_from_master(self, phase: str = "step") -> None:
+        """After masters were loaded: write them to the compute parameters and publish."""
         for shard in self._all_shards():
-            if id(shard.storage) not in seen:
-                seen.add(id(shard.storage))
-                mem = shard.storage.memory()
-                params += mem["params"]
-                grads += mem["grads"]
             if not shard.full_precision:
-                master += sum(m.numel() * m.element_size() for m in shard.master_tensors)
-        storages = [s.storage for s in self._all_shards()]
-        numel = sum(st.layout.numel for st in {id(s): s for s in storages}.values())
-        padded = sum(st.layout.padded_numel for st in {id(s): s for s in storages}.values())
+                for piece, param in zip(shard.master_pieces, shard.storage.owned_params()):
+                    param.copy_(piece.view_as(param))
+            shard.storage.publish(self.comm, phase)
+
+    @torch.no_grad()
+    def refresh_master_from_params(self) -> None:
+        """After the compute parameters were changed by hand (e.g. in gathered_parameters
+        with modify=True), start the fp32 master from them again."""
+        for shard in self._all_shards():
+            if not shard.full_precision:
+                for piece, param in zip(shard.master_pieces, shard.storage.owned_params()):
+                    piece.copy_(param.reshape(-1))
+
+    # -- reports ------------------------------------------------------------------------
+    def _memory_owners(self) -> list:
+        """Each distinct storage once (stage 3 splits a unit into one view per param group)."""
+        owners = {}
+        for shard in self._all_shards():
+            owner = getattr(shard.storage, "unit", shard.storage)
+            owners.setdefault(id(owner), owner)
+        return list(owners.values())
+
+    def memory_report(self) -> MemoryReport:
+        owners = self._memory_owners()
+        params = sum(o.memory()["params"] for o in owners)
+        grads = sum(o.memory()["grads"] for o in owners)
+        master = sum(m.numel() * m.element_size() for s in self._all_shards() if not s.full_precision
+                     for m in s.master_tensors)
+        numel = sum(o.layout.numel for o in owners)
+        padded = sum(o.layout.padded_numel for o in owners)
         comm_buffers = getattr(self.grad_sync, "pool", None)
         return MemoryReport(
             params=params, grads=grads, master=master,

@@ -82,14 +82,14 @@ class FlatParamGroup:
             return [self.grad_shard[p.shard_start: p.shard_start + p.numel] for p in self.owned_pieces()]
         return [self.grad_flat[p.flat_start: p.flat_start + p.numel] for p in self.owned_pieces()]
 
-    def publish(self, comm: Comm) -> None:
+    def publish(self, comm: Comm, phase: str = "step") -> None:
         """After the step: every rank's updated chunks rebuild the full buffer (stages 1-2)."""
         if self.stage == 0:
             return
         for i, seg in enumerate(self.layout.segments):
             chunk = self.layout.chunk(i, self.rank)
             comm.all_gather(self.flat[seg.start: seg.end],
-                            self.flat[chunk.flat_start: chunk.flat_start + chunk.numel], "step")
+                            self.flat[chunk.flat_start: chunk.flat_start + chunk.numel], phase)
 
     def zero_grad(self) -> None:
         if self.grad_flat is not None:

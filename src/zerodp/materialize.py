@@ -1,0 +1,66 @@
+"""Born sharded: build a model on the meta device, then materialise it one module at a time.
+
+`with zerodp.init(config): model = MyModel()` constructs every parameter on the meta
+device (no memory). `zerodp.initialize` then walks `model.modules()` in order, gives each
+module's own parameters real storage and calls that module's `reset_parameters()`. Eager
+construction calls the same methods in the same order from the modules' constructors,
+so with the same seed the values are identical, as long as the model initialises its
+weights in `reset_parameters()` (every torch.nn layer does; the bundled GPT does) rather
+than in a later pass over the whole model. As soon as every parameter of a stage-3 unit
+is real, the unit is sharded and its full copy freed, so a rank never holds more than
+the units being built plus the root's own parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from .config import Config
+
+
+@contextlib.contextmanager
+def init(config: Optional[Config] = None) -> Iterator[None]:
+    """Construct modules on the meta device; `zerodp.initialize` materialises and shards them."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"zerodp.init takes a zerodp.Config, got {type(config).__name__}")
+    with torch.device("meta"):
+        yield
+
+
+def has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def materialize(model: nn.Module, device, on_param: Callable[[nn.Parameter, nn.Parameter], None]) -> None:
+    """Give every meta parameter and buffer real storage on `device`, module by module in
+    `model.modules()` order, initialised by the module's `reset_parameters()`.
+    `on_param(old, new)` is called after each parameter's module was initialised."""
+    registrations: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                registrations.setdefault(id(p), []).append((m, name))
+    for mname, m in model.named_modules():
+        fresh = []
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                for owner, attr in registrations[id(p)]:  # keeps tied weights tied
+                    owner._parameters[attr] = new
+                fresh.append((p, new))
+        meta_buffers = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
+        for name in meta_buffers:
+            m._buffers[name] = torch.empty_like(m._buffers[name], device=device)
+        if fresh or meta_buffers:
+            if not hasattr(m, "reset_parameters"):
+                what = [n for n, _ in m.named_parameters(recurse=False)] + meta_buffers
+                raise ValueError(f"module {mname or '<root>'} ({type(m).__name__}) was built on the meta device with "
+                                 f"{what} but has no reset_parameters() to initialise them: give it one, or "
+                                 f"construct the model outside zerodp.init")
+            with torch.no_grad():
+                m.reset_parameters()
+        for old, new in fresh:
+            on_param(old, new)

@@ -1,0 +1,325 @@
+"""Stage 3 (Pos+g+p, ZeRO arXiv 1910.02054 §5.3): parameters gathered per unit on demand.
+
+Hooks call methods of a unit (units.py); the unit calls collectives (comm.py).
+
+Forward: a unit's pre-hook gathers its parameters (and prefetches the next
+`prefetch_units` units of the order recorded on the first step); its post-hook frees
+them (`reshard_after_forward`) and registers a hook on its outputs' gradients.
+Backward: that gradient hook fires before any of the unit's backward ops run, and
+gathers the unit again (prefetching the next units of the recorded backward order).
+When every trainable parameter of a unit has its gradient accumulated
+(`register_post_accumulate_grad_hook`), the gradients move into a flat buffer, the
+parameters are freed, and, at the accumulation boundary, the buffer is reduce-scattered
+into the unit's gradient shard. Reduce-scatters are launched strictly in one fixed order
+(reverse registration order, the root last) so that every rank issues the same
+collectives even when autograd finishes units in another order; units that were not
+used (or only partly) are flushed by a callback at the end of backward, with zero
+gradients for what was not used.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Iterable, Iterator, Union
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .comm import Comm
+from .config import Config
+from .materialize import has_meta, materialize
+from .optimizer import ZeroOptimizer
+from .units import FlatUnit, UnitGroupView, UnitState, assign_params, select_units
+
+log = logging.getLogger(__name__)
+
+# Model -> its stage-3 engine, for gathered_parameters(); weak, so models die normally.
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Stage3Engine]" = weakref.WeakKeyDictionary()
+
+
+def _inside_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Stage3Engine:
+    """The schedule: when each unit is gathered, freed and reduced."""
+
+    def __init__(self, units: list[FlatUnit], comm: Comm, config: Config):
+        self.units, self.comm, self.config = units, comm, config
+        self.root = len(units) - 1
+        self.accumulation_steps = config.grad_accumulation_steps
+        self.micro_step = 0
+        self.grads_ready = False
+        self.forward_order: list[int] = []
+        self.backward_order: list[int] = []
+        self._recording = True
+        self._pending = [0] * len(units)
+        self._ready: set = set()
+        self._in_backward: set = set()
+        self._used: set = set()
+        self._works: list = []
+        self._next_reduce = 0
+        self._callback_queued = False
+        # Reduce order: children finish backward before the units registered before them.
+        self.reduce_order = list(reversed(range(self.root))) + [self.root]
+        self.gathered_peak_nbytes = 0
+        for ui, unit in enumerate(units):
+            unit.module.register_forward_pre_hook(self._make_pre_forward(ui))
+            unit.module.register_forward_hook(self._make_post_forward(ui))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
+        self._reset_backward_state()
+
+    # -- helpers -----------------------------------------------------------------------------
+    @property
+    def at_boundary(self) -> bool:
+        return self.micro_step + 1 >= self.accumulation_steps
+
+    def _reset_backward_state(self) -> None:
+        self._pending = [len(u.params) for u in self.units]
+        self._ready.clear()
+        self._in_backward.clear()
+        self._next_reduce = 0
+
+    def _check_same_unit(self, event: str) -> None:
+        """Debug mode: every rank must be at the same gather; name the ranks that are not."""
+        if not self.config.debug:
+            return
+        events = self.comm.all_gather_object(event)
+        if len(set(events)) > 1:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in enumerate(events))
+            raise RuntimeError(f"rank {self.comm.rank}: ranks diverged at a stage-3 gather ({detail}); every rank "
+                               f"must run the same units in the same order (same branches, same number of steps)")
+
+    def _gather(self, ui: int, phase: str, async_op: bool) -> None:
+        unit = self.units[ui]
+        if unit.state is UnitState.SHARDED:
+            self._check_same_unit(f"{phase} gather of unit {unit.name}")
+            unit.unshard(self.comm, phase, async_op=async_op)
+            held = sum(u.full_nbytes for u in self.units if u.state is not UnitState.SHARDED)
+            self.gathered_peak_nbytes = max(self.gathered_peak_nbytes, held)
+
+    def _prefetch(self, order: list[int], ui: int, phase: str) -> None:
+        if self._recording or ui not in order:
+            return
+        at = order.index(ui)
+        for nxt in order[at + 1: at + 1 + self.config.prefetch_units]:
+            self._gather(nxt, phase, async_op=True)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _make_pre_forward(self, ui: int):
+        def hook(module, args):
+            in_backward = _inside_backward()
+            if ui == self.root and not in_backward:
+                self._used.clear()
+            phase = "backward" if in_backward else "forward"
+            self._gather(ui, phase, async_op=False)
+            self.units[ui].wait()
+            self._used.add(ui)
+            if not in_backward and torch.is_grad_enabled():
+                if self._recording and ui not in self.forward_order:
+                    self.forward_order.append(ui)
+                self._prefetch(self.forward_order, ui, "forward")
+        return hook
+
+    def _make_post_forward(self, ui: int):
+        def hook(module, args, output):
+            if _inside_backward():  # recomputation (activation checkpointing): backward needs them
+                return None
+            training = torch.is_grad_enabled()
+            if training:
+                for t in tree_flatten(output)[0]:
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(ui))
+            if self.config.reshard_after_forward or not training:
+                self.units[ui].reshard()
+            if ui == self.root:
+                # Prefetched units that this forward did not run are freed.
+                for uj, unit in enumerate(self.units):
+                    if uj not in self._used and unit.state is not UnitState.SHARDED:
+                        unit.reshard()
+                    elif not training:
+                        unit.reshard()
+            return None
+        return hook
+
+    # -- backward ----------------------------------------------------------------------------
+    def _make_pre_backward(self, ui: int):
+        def hook(grad):
+            if ui in self._in_backward:
+                return None
+            if self.grads_ready:
+                raise RuntimeError(
+                    f"backward ran again after the accumulation boundary (grad_accumulation_steps="
+                    f"{self.accumulation_steps}) without optimizer.step(): call step() and zero_grad() first")
+            self._in_backward.add(ui)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            if self._recording:
+                self.backward_order.append(ui)
+            self._gather(ui, "backward", async_op=False)
+            self.units[ui].wait()
+            self._prefetch(self.backward_order, ui, "backward")
+            return None
+        return hook
+
+    def _make_grad_hook(self, ui: int):
+        def hook(param):
+            self._pending[ui] -= 1
+            if self._pending[ui] == 0:
+                self._unit_done(ui)
+                self._launch_reductions(flush=False)
+        return hook
+
+    def _unit_done(self, ui: int) -> None:
+        unit = self.units[ui]
+        unit.accumulate_grads()
+        unit.reshard()
+        self._ready.add(ui)
+
+    def _launch_reductions(self, flush: bool) -> None:
+        if not self.at_boundary:
+            return
+        while self._next_reduce < len(self.reduce_order):
+            ui = self.reduce_order[self._next_reduce]
+            if ui not in self._ready and not flush:
+                return
+            work = self.units[ui].reduce_grads(self.comm, async_op=self.config.overlap_comm)
+            self._works.append((ui, work))
+            self._next_reduce += 1
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        for ui in range(len(self.units)):
+            if ui not in self._ready:
+                self._unit_done(ui)
+        self._launch_reductions(flush=True)
+        if self.at_boundary:
+            for ui, work in self._works:
+                if work is not None:
+                    work.wait()
+                self.units[ui].free_grads()
+            self._works.clear()
+            self.grads_ready = True
+        self.micro_step += 1
+        if self.forward_order:
+            self._recording = False
+        self._reset_backward_state()
+
+    def after_step(self) -> None:
+        self.micro_step = 0
+        self.grads_ready = False
+
+
+def _cast_replicated(model: nn.Module, dtype: torch.dtype, sharded: set) -> None:
+    """Frozen parameters and floating buffers stay replicated, in the compute dtype."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in sharded and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for m in model.modules():
+            for name, b in m.named_buffers(recurse=False):
+                if b.is_floating_point():
+                    setattr(m, name, b.to(dtype))
+
+
+def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, group_indices: list[list[int]],
+                comm: Comm, config: Config) -> tuple[nn.Module, ZeroOptimizer]:
+    """Split `model` into units, shard each unit's trainable parameters, install the hooks."""
+    units = select_units(model, config.unit_modules, config.unit_min_params)
+    assignment = assign_params(model, units, named)
+    names = [n for n, _ in named]
+    unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
+    remaining = [len(idx) for idx in assignment]
+    current = {i: p for i, (_, p) in enumerate(named)}
+    built: dict[int, FlatUnit] = {}
+
+    def build(ui: int) -> None:
+        idx = assignment[ui]
+        built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
+                             comm, config.compute_dtype, config.grad_reduce_dtype)
+
+    if has_meta(model):
+        old_index = {id(p): i for i, (_, p) in enumerate(named)}
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+        def on_param(old, new):
+            i = old_index.get(id(old))
+            if i is None:
+                return
+            current[i] = new
+            ui = unit_of[i]
+            remaining[ui] -= 1
+            if remaining[ui] == 0 and ui != len(units) - 1:
+                build(ui)  # shard as soon as the unit is complete, freeing its full copy
+        materialize(model, device, on_param)
+    for ui, idx in enumerate(assignment):
+        if idx and ui not in built:
+            build(ui)
+    flat_units = [built[ui] for ui in sorted(built)]
+    sharded = {id(p) for u in flat_units for p in u.params}
+    with torch.no_grad():  # replicated state starts from rank 0's values, as DDP does
+        for p in model.parameters():
+            if id(p) not in sharded:
+                comm.broadcast(p.data, 0, "init")
+        for b in model.buffers():
+            comm.broadcast(b.data, 0, "init")
+    _cast_replicated(model, config.compute_dtype, sharded)
+    if config.compute_dtype != torch.float32:
+        from .api import _cast_forward_inputs
+
+        model.register_forward_pre_hook(_cast_forward_inputs(config.compute_dtype), with_kwargs=True)
+    if built.get(len(units) - 1) is None:  # the root unit must exist: its hooks begin and end each pass
+        raise ValueError("stage 3 needs the root module to own at least one trainable parameter outside the "
+                         "units; lower unit_min_params or name fewer unit_modules")
+    engine = Stage3Engine(flat_units, comm, config)
+    name_index = {n: i for i, n in enumerate(names)}
+    storages = []
+    for idx in group_indices:
+        chosen = set(idx)
+        views = []
+        for u in flat_units:
+            local = [k for k in range(len(u.params)) if name_index[u.names[k]] in chosen]
+            if local:
+                views.append(UnitGroupView(u, local))
+        storages.append(views)
+    opt = ZeroOptimizer(inner, storages, comm, config, engine, stage3=engine)
+    _ENGINES[model] = engine
+    log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(flat_units),
+             ", ".join(u.name for u in flat_units[:4]) + (" ..." if len(flat_units) > 4 else ""))
+    return model, opt
+
+
+@contextlib.contextmanager
+def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify: bool = False,
+                        optimizer: ZeroOptimizer = None) -> Iterator[None]:
+    """Full parameters present on every rank inside the block. With `modify=True`, rank
+    0's values are written back to every rank's shard on exit (and to the fp32 master
+    if `optimizer` is given), as DeepSpeed's GatheredParameters(modifier_rank=0) does.
+    Outside stage 3 the parameters are already full; the block is still a valid no-op."""
+    params = list(target.parameters()) if isinstance(target, nn.Module) else list(target)
+    wanted = {id(p) for p in params}
+    chosen: list[tuple[Stage3Engine, FlatUnit]] = []
+    for engine in list(_ENGINES.values()):
+        for unit in engine.units:
+            if any(id(p) in wanted for p in unit.params):
+                chosen.append((engine, unit))
+    for engine, unit in chosen:
+        engine._gather(engine.units.index(unit), "forward", async_op=False)
+        unit.wait()
+    try:
+        yield
+    finally:
+        if modify:
+            with torch.no_grad():
+                for engine, unit in chosen:
+                    engine.comm.broadcast(unit.full, 0, "init")
+                    c = unit.layout.chunk(0, unit.rank)
+                    unit.shard.copy_(unit.full[c.flat_start: c.flat_start + c.numel])
+                if optimizer is not None:
+                    optimizer.refresh_master_from_params()
+        for _, unit in chosen:
+            unit.reshard()

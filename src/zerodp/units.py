@@ -1,0 +1,228 @@
+"""Stage 3 units: which parameters are gathered together, and one unit's sharded storage.
+
+[Note: unit storage]
+A unit's trainable parameters are laid out in one flat buffer (flat.py) with a single
+segment, so the unit is gathered and reduced with one collective each. Between uses a
+rank keeps only `shard` (its 1/N chunk, compute dtype); the full buffer `full` keeps its
+tensor object but its storage is resized to 0 bytes. Each parameter's `.data` is then a
+1-D view of the rank's part of it in `shard` (possibly empty), so `model.parameters()`
+shows only owned elements. Gathering resizes the storage back, all-gathers into it and
+points `.data` at full-shape views again. Autograd keeps views of the full buffer that
+forward saved for backward; because the storage object is the same, those views see the
+re-gathered values in backward, and the freed bytes are really freed in between (FSDP's
+approach). Writes into `full` outside a collective are wrapped in
+`_unsafe_preserve_version_counter` so that autograd does not take the refill for an
+in-place change of a saved tensor.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .flat import FlatLayout, Piece
+
+_ONE_SEGMENT = 1 << 62
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather launched, not yet waited for
+    GATHERED = "gathered"
+
+
+def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every unit, the root last. With `unit_modules`, each instance of
+    those classes (or class names) is a unit; otherwise, bottom-up, each submodule whose
+    parameters not yet claimed by a unit below it reach `min_params`."""
+    named = list(model.named_modules())
+    if unit_modules:
+        wanted = {u for u in unit_modules if isinstance(u, type)}
+        wanted_names = {u for u in unit_modules if isinstance(u, str)}
+        units = [(n, m) for n, m in named if m is not model and (
+            type(m) in wanted or type(m).__name__ in wanted_names or type(m).__qualname__ in wanted_names)]
+        if not units:
+            raise ValueError(f"Config.unit_modules={unit_modules!r} matches no submodule of "
+                             f"{type(model).__name__}: name a class that the model contains")
+    else:
+        claimed: set = set()
+        units = []
+        for n, m in reversed(named):  # children before parents
+            if m is model:
+                continue
+            own = [p for p in m.parameters() if id(p) not in claimed]
+            if sum(p.numel() for p in own) >= min_params:
+                units.append((n, m))
+                claimed.update(id(p) for p in own)
+        units.reverse()
+    return units + [("", model)]
+
+
+def _contains(unit_name: str, module_name: str) -> bool:
+    return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
+
+
+def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]],
+                  trainable: list[tuple[str, nn.Parameter]]) -> list[list[int]]:
+    """For each unit, indices into `trainable` of the parameters it gathers: those of the
+    modules under it and not under a nested unit. A parameter registered in modules of
+    several units (tied weights) goes to the innermost unit that encloses them all, whose
+    forward encloses every use."""
+    unit_names = [n for n, _ in units]
+    index = {id(p): i for i, (_, p) in enumerate(trainable)}
+
+    def innermost(module_name: str) -> int:
+        return max((ui for ui, un in enumerate(unit_names) if _contains(un, module_name)),
+                   key=lambda ui: len(unit_names[ui]) + (ui != len(units) - 1))
+
+    homes: dict[int, set] = {}
+    for mname, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in index:
+                homes.setdefault(id(p), set()).add(innermost(mname))
+    result: list[list[int]] = [[] for _ in units]
+    for pid, uis in homes.items():
+        enclosing = [ui for ui, un in enumerate(unit_names)
+                     if all(_contains(un, unit_names[v]) for v in uis)]
+        best = max(enclosing, key=lambda ui: len(unit_names[ui]) + (ui != len(units) - 1))
+        result[best].append(index[pid])
+    for r in result:
+        r.sort()
+    return result
+
+
+class FlatUnit:
+    """One unit's sharded parameters, its gather buffer and its gradient shard."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype):
+        self.name, self.module, self.params, self.names = name or "<root>", module, params, names
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.layout = FlatLayout([p.shape for p in params], comm.world_size, _ONE_SEGMENT)
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        full_fp32 = self.layout.flatten(params, torch.float32, params[0].device)
+        comm.broadcast(full_fp32, 0, "init")  # every rank starts from rank 0's values, as DDP does
+        chunk = self.layout.chunk(0, self.rank)
+        own = full_fp32[chunk.flat_start: chunk.flat_start + chunk.numel]
+        self._initial_fp32: Optional[torch.Tensor] = own.clone() if compute_dtype != torch.float32 else None
+        self.shard = own.to(compute_dtype).clone()
+        device = self.shard.device
+        self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        self.full_views = self.layout.views(self.full)
+        self.full_nbytes = self.full.untyped_storage().nbytes()
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=reduce_dtype, device=device)
+        self.grad_full: Optional[torch.Tensor] = None  # accumulated unsharded gradients, during backward
+        self.state = UnitState.GATHERED
+        self.work = None
+        self.reshard()
+
+    # -- gather / free (see [Note: unit storage]) ----------------------------------------
+    def unshard(self, comm: Comm, phase: str, async_op: bool) -> None:
+        if self.state is not UnitState.SHARDED:
+            return
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full_nbytes)
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            self.work = comm.all_gather(self.full, self.shard, phase, async_op=async_op)
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+            with torch.no_grad():
+                for p, view in zip(self.params, self.full_views):
+                    p.data = view
+            self.state = UnitState.GATHERED
+
+    def reshard(self) -> None:
+        if self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        pieces = self._param_shard_views()
+        for p, view in zip(self.params, pieces):
+            p.data = view
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    def _param_shard_views(self) -> list[torch.Tensor]:
+        """Each parameter's owned elements as a 1-D view of `shard` (empty if none)."""
+        out = []
+        for i in range(len(self.params)):
+            pieces = self.layout.slot_pieces(i, self.rank)
+            if pieces:
+                _, s, n = pieces[0]
+                out.append(self.shard[s: s + n])
+            else:
+                out.append(self.shard[:0])
+        return out
+
+    # -- gradients -------------------------------------------------------------------------
+    def accumulate_grads(self) -> None:
+        """Move the parameters' unsharded gradients into `grad_full` and free them."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
+        for p, slot in zip(self.params, self.layout.slots):
+            if p.grad is not None:
+                self.grad_full[slot.offset: slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                p.grad = None
+
+    def reduce_grads(self, comm: Comm, async_op: bool):
+        """Reduce-scatter the accumulated gradients into the owned gradient shard."""
+        if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
+        self.grad_full.div_(self.world_size)  # average, dividing first as DDP does
+        return comm.reduce_scatter(self.grad_shard, self.grad_full, "backward", async_op=async_op)
+
+    def free_grads(self) -> None:
+        self.grad_full = None
+
+    # -- what the optimizer sees -----------------------------------------------------------
+    def owned_pieces(self, indices=None) -> list[Piece]:
+        """One piece per owned run of a parameter, in shard order."""
+        out = []
+        chunk = self.layout.chunk(0, self.rank)
+        for i in (range(len(self.params)) if indices is None else indices):
+            for _, s, n in self.layout.slot_pieces(i, self.rank):
+                out.append(Piece(chunk.flat_start + s, s, n))
+        return out
+
+    def memory(self) -> dict:
+        return {"params": self.shard.numel() * self.shard.element_size(),
+                "grads": self.grad_shard.numel() * self.grad_shard.element_size()}
+
+
+class UnitGroupView:
+    """The part of one unit that belongs to one optimizer param group (ShardStorage)."""
+
+    def __init__(self, unit: FlatUnit, param_indices: list[int]):
+        self.unit, self.indices = unit, param_indices
+        self.layout, self.names, self.rank = unit.layout, unit.names, unit.rank
+        self.pieces = unit.owned_pieces(param_indices)
+
+    def owned_pieces(self) -> list[Piece]:
+        return self.pieces
+
+    def owned_params(self) -> list[torch.Tensor]:
+        return [self.unit.shard[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [self.unit.grad_shard[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
+
+    def owned_fp32(self) -> list[torch.Tensor]:
+        src = self.unit._initial_fp32 if self.unit._initial_fp32 is not None else self.unit.shard
+        return [src[p.shard_start: p.shard_start + p.numel].float().clone() for p in self.pieces]
+
+    def publish(self, comm: Comm, phase: str = "step") -> None:
+        """Nothing to publish: stage 3 gathers parameters when a unit next runs."""
+
+    def zero_grad(self) -> None:
+        self.unit.grad_shard.zero_()
+
+    def memory(self) -> dict:
+        return self.unit.memory()
