@@ -120,9 +120,10 @@ class FlatLayout:
 
     def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
         """A new padded flat buffer holding `tensors` (padding zero)."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
         for slot, t in zip(self.slots, tensors):
             flat[slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+        flat[self.numel:].zero_()
         return flat
 
     def gather_shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:

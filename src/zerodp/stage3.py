@@ -240,9 +240,12 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
     def build(ui: int) -> None:
         idx = assignment[ui]
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
-                             comm, config.compute_dtype, config.grad_reduce_dtype)
+                             comm, config.compute_dtype, config.grad_reduce_dtype, sync_from_rank0=not born_sharded)
 
-    if has_meta(model):
+    # A model born on the meta device is initialised identically on every rank from the
+    # seed (materialize.py), so its units need no broadcast from rank 0.
+    born_sharded = has_meta(model)
+    if born_sharded:
         old_index = {id(p): i for i, (_, p) in enumerate(named)}
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -257,7 +260,7 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
                 build(ui)  # shard as soon as the unit is complete, freeing its full copy
         materialize(model, device, on_param)
     for ui, idx in enumerate(assignment):
-        if idx and ui not in built:
+        if (idx or ui == len(units) - 1) and ui not in built:
             build(ui)
     flat_units = [built[ui] for ui in sorted(built)]
     sharded = {id(p) for u in flat_units for p in u.params}
@@ -272,9 +275,6 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
         from .api import _cast_forward_inputs
 
         model.register_forward_pre_hook(_cast_forward_inputs(config.compute_dtype), with_kwargs=True)
-    if built.get(len(units) - 1) is None:  # the root unit must exist: its hooks begin and end each pass
-        raise ValueError("stage 3 needs the root module to own at least one trainable parameter outside the "
-                         "units; lower unit_min_params or name fewer unit_modules")
     engine = Stage3Engine(flat_units, comm, config)
     name_index = {n: i for i, n in enumerate(names)}
     storages = []

@@ -98,13 +98,20 @@ class FlatUnit:
     """One unit's sharded parameters, its gather buffer and its gradient shard."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, sync_from_rank0: bool = True):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         self.rank, self.world_size = comm.rank, comm.world_size
         self.layout = FlatLayout([p.shape for p in params], comm.world_size, _ONE_SEGMENT)
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
-        full_fp32 = self.layout.flatten(params, torch.float32, params[0].device)
-        comm.broadcast(full_fp32, 0, "init")  # every rank starts from rank 0's values, as DDP does
+        # A unit may own no trainable parameter (a root whose parameters all live in units):
+        # it keeps its hooks, which begin and end each pass, and never communicates.
+        self.empty = not params
+        device = params[0].device if params else next(
+            (t.device for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta),
+            torch.device("cpu"))
+        full_fp32 = self.layout.flatten(params, torch.float32, device)
+        if sync_from_rank0 and not self.empty:  # every rank starts from rank 0's values, as DDP does
+            comm.broadcast(full_fp32, 0, "init")
         chunk = self.layout.chunk(0, self.rank)
         own = full_fp32[chunk.flat_start: chunk.flat_start + chunk.numel]
         self._initial_fp32: Optional[torch.Tensor] = own.clone() if compute_dtype != torch.float32 else None
@@ -113,7 +120,8 @@ class FlatUnit:
         self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
         self.full_views = self.layout.views(self.full)
         self.full_nbytes = self.full.untyped_storage().nbytes()
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=reduce_dtype, device=device)
+        # Allocated at the first backward: a model that is only built or evaluated holds none.
+        self.grad_shard: Optional[torch.Tensor] = None
         self.grad_full: Optional[torch.Tensor] = None  # accumulated unsharded gradients, during backward
         self.state = UnitState.GATHERED
         self.work = None
@@ -122,6 +130,9 @@ class FlatUnit:
     # -- gather / free (see [Note: unit storage]) ----------------------------------------
     def unshard(self, comm: Comm, phase: str, async_op: bool) -> None:
         if self.state is not UnitState.SHARDED:
+            return
+        if self.empty:
+            self.state = UnitState.GATHERED
             return
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
@@ -174,10 +185,17 @@ class FlatUnit:
 
     def reduce_grads(self, comm: Comm, async_op: bool):
         """Reduce-scatter the accumulated gradients into the owned gradient shard."""
+        if self.empty:
+            return None
         if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
             self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
         self.grad_full.div_(self.world_size)  # average, dividing first as DDP does
-        return comm.reduce_scatter(self.grad_shard, self.grad_full, "backward", async_op=async_op)
+        return comm.reduce_scatter(self.ensure_grad_shard(), self.grad_full, "backward", async_op=async_op)
+
+    def ensure_grad_shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.shard.device)
+        return self.grad_shard
 
     def free_grads(self) -> None:
         self.grad_full = None
@@ -193,8 +211,9 @@ class FlatUnit:
         return out
 
     def memory(self) -> dict:
+        grads = self.grad_shard
         return {"params": self.shard.numel() * self.shard.element_size(),
-                "grads": self.grad_shard.numel() * self.grad_shard.element_size()}
+                "grads": 0 if grads is None else grads.numel() * grads.element_size()}
 
 
 class UnitGroupView:
@@ -212,7 +231,8 @@ class UnitGroupView:
         return [self.unit.shard[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
 
     def owned_grads(self) -> list[torch.Tensor]:
-        return [self.unit.grad_shard[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
+        grads = self.unit.ensure_grad_shard()
+        return [grads[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
 
     def owned_fp32(self) -> list[torch.Tensor]:
         src = self.unit._initial_fp32 if self.unit._initial_fp32 is not None else self.unit.shard
@@ -222,7 +242,8 @@ class UnitGroupView:
         """Nothing to publish: stage 3 gathers parameters when a unit next runs."""
 
     def zero_grad(self) -> None:
-        self.unit.grad_shard.zero_()
+        if self.unit.grad_shard is not None:
+            self.unit.grad_shard.zero_()
 
     def memory(self) -> dict:
         return self.unit.memory()

@@ -1,0 +1,264 @@
+"""Stage 3 cases, run inside one spawned world per world size (see test_stage3.py)."""
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import zerodp
+from core_cases import max_rel_diff, train_reference, train_zerodp
+from zerodp.memory import formula_bytes
+from zerodp.models import GPT, Block
+from zerodp.units import UnitState
+
+STEPS = 4
+
+
+def gpt_tiny():
+    return GPT("tiny")
+
+
+def gpt_loss(model, step, rank, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randint(0, 256, (2, 16), generator=g)
+    _, loss = model(x, x)
+    return loss
+
+
+def adamw(params):
+    params = list(params)
+    return torch.optim.AdamW([
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ], lr=1e-3)
+
+
+def adamw_no_decay(params):
+    # A parameter no forward uses has grad None under DDP (AdamW skips it) and a zero
+    # gradient in a flat shard (AdamW still decays it); without decay both leave it be.
+    return torch.optim.AdamW(list(params), lr=1e-2, weight_decay=0.0)
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class HardBlock(nn.Module):
+    """Nested unit, frozen parameters, an unused parameter, activation checkpointing, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(8, 8)
+        self.inner = Inner()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(8, 8)
+        self.ckpt = nn.Linear(8, 8)
+        self.register_buffer("running", torch.zeros(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin1(x))
+        h = self.inner(h)
+        h = self.frozen(h)
+        h = checkpoint(self.ckpt, h, use_reentrant=False)
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * h.mean(0).float())
+        return h
+
+
+class HardNet(nn.Module):
+    """Tied weights, a block called twice in one forward, nested units."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(8, 8, bias=False)
+        self.blocks = nn.ModuleList([HardBlock(), HardBlock()])
+        self.proj_out = nn.Linear(8, 8, bias=False)
+        self.proj_out.weight = self.proj_in.weight  # tied, HF style
+        self.skip_block1 = False
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        h = self.blocks[0](h)
+        if not self.skip_block1:
+            h = self.blocks[1](h)
+        h = self.blocks[0](h)  # the same unit again
+        return self.proj_out(h)
+
+
+def hard_loss(model, step, rank, dtype=torch.float32):
+    """Two forward passes before one backward (halves of the batch)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(6, 8, generator=g)
+    y = torch.randn(6, 8, generator=g)
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP: one forward on both halves
+        out = model(x.to(dtype)).float()
+        return F.mse_loss(out[:3], y[:3]) + F.mse_loss(out[3:], y[3:])
+    return F.mse_loss(model(x[:3]).float(), y[:3]) + F.mse_loss(model(x[3:]).float(), y[3:])
+
+
+HARD_UNITS = (HardBlock, "Inner")
+
+
+def full_params(model, opt=None):
+    """Every parameter's full value, by name (gathered at stage 3)."""
+    with zerodp.gathered_parameters(model):
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+class _Frozen(nn.Module):
+    def __init__(self, values):
+        super().__init__()
+        for i, (n, v) in enumerate(values.items()):
+            self.register_parameter(f"p{i}", nn.Parameter(v))
+
+
+def rel(a: dict, b: dict) -> float:
+    return max_rel_diff(_Frozen(a), _Frozen(b))
+
+
+def parity(rank, world_size):
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cfg3 = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=[Block])
+        dtype = cfg3.compute_dtype
+        ref, *_ = train_reference(gpt_tiny, adamw, dtype, rank, steps=STEPS, loss_of=gpt_loss)
+        model, opt, losses, _, volumes = train_zerodp(gpt_tiny, adamw, cfg3, rank, steps=STEPS, loss_of=gpt_loss)
+        got = full_params(model)
+        want = {n: p.detach().float() for n, p in ref.named_parameters()}
+        cfg2 = zerodp.Config(stage=2, mixed_precision=precision)
+        m2, *_ = train_zerodp(gpt_tiny, adamw, cfg2, rank, steps=STEPS, loss_of=gpt_loss)
+        stage2 = {n: p.detach().float() for n, p in m2.named_parameters()}
+        rep = opt.memory_report()
+        units = opt.stage3.units
+        out[("gpt", precision)] = {
+            "vs_ddp": rel(got, want), "vs_stage2": rel(got, stage2),
+            "volume": volumes[-1]["volume_numel"], "by_op": volumes[-1]["by_op"],
+            "padded": rep.padded_numel, "numel": rep.numel,
+            "memory": {k: getattr(rep, k) for k in ("params", "grads", "master", "optimizer_states")},
+            "expect": formula_bytes(3, rep.padded_numel, world_size, dtype.itemsize, dtype.itemsize,
+                                    0 if precision == "fp32" else 4, 8),
+            "peak": rep.gathered_params_peak,
+            "root_nbytes": units[-1].full_nbytes, "max_unit_nbytes": max(u.full_nbytes for u in units[:-1]),
+            "unit_names": [u.name for u in units],
+            "local_numel": sum(p.numel() for p in model.parameters()),
+            "tied": model.lm_head.weight is model.transformer.wte.weight,
+        }
+    # reshard_after_forward=False: the forward's gathers stay until backward: 2Ψ.
+    cfg = zerodp.Config(stage=3, unit_modules=[Block], reshard_after_forward=False)
+    model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=2, loss_of=gpt_loss)
+    out["no_reshard"] = {"volume": volumes[-1]["volume_numel"], "padded": opt.memory_report().padded_numel}
+    return out
+
+
+def hard_cases(rank, world_size):
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=HARD_UNITS)
+        dtype = cfg.compute_dtype
+        ref, *_ = train_reference(HardNet, adamw_no_decay, dtype, rank, steps=STEPS, loss_of=hard_loss,
+                                  find_unused_parameters=True)
+        model, opt, *_ = train_zerodp(HardNet, adamw_no_decay, cfg, rank, steps=STEPS, loss_of=hard_loss)
+        got = full_params(model)
+        want = {n: p.detach().float() for n, p in ref.named_parameters()}
+        torch.manual_seed(0)
+        init = {n: p.detach().float() for n, p in HardNet().named_parameters()}
+        # eval + no_grad: same outputs as the reference, no gradients, every unit freed after.
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+        model.eval()
+        ref.eval()
+        with torch.no_grad():
+            y = model(x)
+            y_ref = ref(x.to(dtype))
+        out[precision] = {
+            "vs_ddp": rel(got, want),
+            "unused_unchanged": bool(torch.equal(got["blocks.0.unused.weight"],
+                                                 init["blocks.0.unused.weight"].to(dtype).float())),
+            "frozen_unchanged": bool(torch.equal(got["blocks.1.frozen.weight"].to(dtype).float(),
+                                                 init["blocks.1.frozen.weight"].to(dtype).float())),
+            "eval_rel": float((y.float() - y_ref.float()).norm() / y_ref.float().norm()),
+            "all_freed": all(u.state is UnitState.SHARDED and u.full.untyped_storage().nbytes() == 0
+                             for u in opt.stage3.units),
+            "no_grads": all(p.grad is None for p in model.parameters()),
+            # Buffers stay replicated, full and updated in place by forward.
+            "buffer_ok": tuple(model.blocks[0].running.shape) == (8,) and bool(model.blocks[0].running.abs().sum() > 0),
+            "units": [u.name for u in opt.stage3.units],
+            "tied": model.proj_out.weight is model.proj_in.weight,
+        }
+    return out
+
+
+def gathered_and_born(rank, world_size):
+    out = {}
+    # Born sharded: the same initial values as eager construction with the same seed.
+    torch.manual_seed(0)
+    eager = GPT("tiny")
+    cfg = zerodp.Config(stage=3, unit_modules=[Block])
+    torch.manual_seed(0)
+    with zerodp.init(cfg):
+        meta = GPT("tiny")
+    out["meta_before"] = all(p.is_meta for p in meta.parameters())
+    model, opt = zerodp.initialize(meta, torch.optim.SGD, cfg, lr=0.1)
+    got = full_params(model)
+    out["born_equal"] = all(torch.equal(got[n], p.detach()) for n, p in eager.named_parameters())
+    out["born_tied"] = model.lm_head.weight is model.transformer.wte.weight
+    # gathered_parameters(modify=True): a custom init written back to the shards.
+    with zerodp.gathered_parameters(model.transformer.h[0], modify=True, optimizer=opt):
+        full_shape = tuple(model.transformer.h[0].mlp.c_fc.weight.shape)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight.fill_(0.25 + rank)  # rank 0's value wins
+    got = full_params(model)
+    out["modify_full_shape"] = full_shape
+    out["modify_applied"] = bool((got["transformer.h.0.mlp.c_fc.weight"] == 0.25).all())
+    out["shard_shape_after"] = tuple(model.transformer.h[0].mlp.c_fc.weight.shape)
+    return out
+
+
+def debug_divergence(rank, world_size):
+    """Ranks run different units: debug mode names the unit and the ranks instead of hanging."""
+    cfg = zerodp.Config(stage=3, unit_modules=HARD_UNITS, debug=True)
+    torch.manual_seed(0)
+    model, opt = zerodp.initialize(HardNet(), adamw_no_decay, cfg)
+    model.skip_block1 = rank == world_size - 1
+    try:
+        loss = hard_loss(model, 0, rank)
+        opt.backward(loss)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def stage3_world(rank, world_size):
+    out = {"parity": parity(rank, world_size), "hard": hard_cases(rank, world_size),
+           "gathered": gathered_and_born(rank, world_size)}
+    if world_size > 1:
+        out["debug"] = debug_divergence(rank, world_size)
+    return out
+
+
+class Wide(nn.Module):
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.inp = nn.Linear(width, width, bias=False)
+        self.layers = nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def big_model_world(rank, world_size, width, layers):
+    """A model of >= 3 GiB of fp32 weights, born sharded: peak RSS per rank stays far below."""
+    cfg = zerodp.Config(stage=3, unit_modules=[nn.Linear])
+    torch.manual_seed(0)
+    with zerodp.init(cfg):
+        model = Wide(width, layers)
+    full_nbytes = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = zerodp.initialize(model, torch.optim.SGD, cfg, lr=0.1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"full_nbytes": full_nbytes, "peak_rss": peak, "shard_nbytes": opt.memory_report().params}

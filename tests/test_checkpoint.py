@@ -1,0 +1,205 @@
+"""Sharded checkpoints: bitwise resume, resharding, atomicity, bad input, consolidation.
+
+Four worlds run once, in order 1 -> 4 -> 2 -> 1, over one shared directory; the cases
+are in checkpoint_cases.py.
+"""
+import itertools
+import json
+import os
+
+import pytest
+import torch
+from checkpoint_cases import LM, TRAIN, max_rel
+from harness import run_world
+from safetensors.torch import load_file
+
+import zerodp
+from zerodp import checkpoint
+from zerodp.models import GPT
+
+# fp32: runs at different world sizes or stages differ only in the order gloo sums the
+# per-rank gradients (a few ulps per step); Adam keeps that relative, so after 3 steps
+# every parameter tensor agrees within 1e-6 relative.
+FP32_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    import checkpoint_cases as cases
+
+    out = {"root": root}
+    out["w1_first"] = run_world(1, cases.world_one_first, root, timeout_s=120)[0]
+    out["w4"] = run_world(4, cases.world_four, root, timeout_s=200)[0]
+    out["w2"] = run_world(2, cases.world_two, root, timeout_s=300)
+    out["w1_last"] = run_world(1, cases.world_one_last, root, timeout_s=120)[0]
+    return out
+
+
+def _check_resume(saver: dict, loader: dict):
+    # Loading reproduces the saved values exactly, whatever the world size or stage ...
+    for k, v in saver["at_save"].items():
+        assert torch.equal(loader["after_load"][k], v.to(loader["after_load"][k].dtype)), k
+    # ... and so does saving again (masters and every optimizer state, element by element).
+    assert loader["roundtrip_equal"]
+    assert loader["roundtrip_meta_equal"]
+    assert loader["extra"] == {"data_position": TRAIN}
+    # Training on continues the uninterrupted run.
+    assert max_rel(loader["end"], saver["end"]) <= FP32_TOL
+
+
+@pytest.mark.parametrize("pair", ["1->4", "4->2", "2->1"])
+def test_reshard_to_another_world_size(worlds, pair):
+    w2 = worlds["w2"][0]
+    saver, loader = {"1->4": (worlds["w1_first"]["r1"], worlds["w4"]["from1"]),
+                     "4->2": (worlds["w4"]["r4"], w2["from4"]),
+                     "2->1": (w2["r2s2"], worlds["w1_last"]["from2"])}[pair]
+    _check_resume(saver, loader)
+
+
+@pytest.mark.parametrize("src,dst", [(1, 2), (2, 1), (0, 2), (2, 0)])
+def test_reshard_to_another_stage(worlds, src, dst):
+    for rank_result in worlds["w2"]:
+        _check_resume(rank_result[f"r2s{src}"], rank_result[f"s{src}_to_s{dst}"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_bitwise_resume(worlds, stage, precision):
+    for rank, r in enumerate(worlds["w2"]):
+        res = r[("bitwise", stage, precision)]
+        assert res["losses"] == res["resumed_losses"], rank
+        assert res["diffs"] == [], (rank, res["diffs"])  # params, master, states, step, scaler, lr, RNG
+        assert res["data_position"] == TRAIN
+    if precision == "fp16":  # the dynamic scale grew (interval 2) so the scaler state mattered
+        assert worlds["w2"][0][("bitwise", stage, precision)]["scale"] > 1024.0
+
+
+def test_checkpoint_layout(worlds):
+    path = worlds["w2"][0]["r2s2"]["path"]
+    assert sorted(os.listdir(path)) == ["COMPLETE", "metadata.json", "rank0.json", "rank0.safetensors",
+                                        "rank1.json", "rank1.safetensors", "replicated.safetensors"]
+    with open(os.path.join(path, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["world_size"] == 2 and meta["stage"] == 2 and meta["compute_dtype"] == "float32"
+    assert meta["zerodp_version"] == zerodp.__version__
+    wte = meta["params"]["gpt.transformer.wte.weight"]
+    assert wte["shape"] == [256, 32]
+    # Every parameter's pieces cover it exactly once, across the two rank files.
+    for name, info in meta["params"].items():
+        covered = sorted((start, start + n) for _, start, n in info["pieces"])
+        assert covered[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(covered)), name
+        assert covered[-1][1] == torch.Size(info["shape"]).numel(), name
+    assert {r for info in meta["params"].values() for r, _, _ in info["pieces"]} == {0, 1}
+    assert ["gpt.lm_head.weight", "param", "gpt.transformer.wte.weight"] in meta["state_dict_keys"]
+    assert set(meta["replicated"]) == {"out_bias", "temperature"}
+    # Each element is written once in total: the rank files hold no parameter twice.
+    ranks = [load_file(os.path.join(path, f"rank{r}.safetensors")) for r in range(2)]
+    numel = sum(t.numel() for f in ranks for k, t in f.items() if k.startswith("master/"))
+    assert numel == sum(torch.Size(i["shape"]).numel() for i in meta["params"].values())
+    # Stage 0 replicates the optimizer: rank 0 alone writes it.
+    s0 = worlds["w2"][0]["r2s0"]["path"]
+    assert len(load_file(os.path.join(s0, "rank1.safetensors"))) == 0
+
+
+def test_consolidate_into_plain_model(worlds):
+    w2 = worlds["w2"][0]
+    # The wrapped LM (tied weights, frozen parameter, buffer), fp32.
+    r = w2["r2s2"]
+    sd = zerodp.consolidate(r["path"])
+    plain = LM()
+    plain.load_state_dict(sd, strict=True)
+    assert list(sd) == list(plain.state_dict())
+    for k, v in r["at_save"].items():
+        assert torch.equal(sd[k], v), k
+    assert plain.gpt.lm_head.weight is plain.gpt.transformer.wte.weight
+    # GPT('tiny') trained in bf16: fp32 masters by default, the bf16 weights with dtype="compute".
+    g = w2["pretrained"]["gpt_bf16"]
+    gpt = GPT("tiny")
+    gpt.load_state_dict(zerodp.consolidate(g["path"]), strict=True)
+    assert "lm_head.weight" in zerodp.consolidate(g["path"])
+    compute = zerodp.consolidate(g["path"], dtype="compute")
+    for k, v in g["state"].items():
+        assert compute[k].dtype == torch.bfloat16 and torch.equal(compute[k], v), k
+    masters = zerodp.consolidate(g["path"])
+    for rank_result in worlds["w2"]:
+        for (name, start), m in rank_result["pretrained"]["gpt_bf16"]["master"].items():
+            assert torch.equal(masters[name].reshape(-1)[start: start + m.numel()], m), name
+
+
+def test_export_file_loads_strict(worlds, tmp_path):
+    path = worlds["w2"][0]["pretrained"]["gpt_bf16"]["path"]
+    out = checkpoint.export(path, tmp_path / "gpt.safetensors")
+    gpt = GPT("tiny")
+    gpt.load_state_dict(load_file(out), strict=True)
+    sd = zerodp.consolidate(path)
+    assert all(torch.equal(v, sd[k]) for k, v in gpt.state_dict().items())
+
+
+def test_load_pretrained(worlds):
+    for rank_result in worlds["w2"]:
+        for tag in ("dict_s1_bf16", "file_s2_fp32"):
+            r = rank_result["pretrained"][tag]
+            assert r["equal"] and r["master_equal"] and r["keys"], tag
+            assert r["trains"] > 0
+
+
+def test_crash_during_save_keeps_previous(worlds):
+    for rank, r in enumerate(worlds["w2"]):
+        c = r["crash"]
+        # Every rank raises, naming the rank and the cause; nobody hangs.
+        assert "rank 1" in c["rank1_fails"] and "No space left" in c["rank1_fails"], c["rank1_fails"]
+        assert c["rank1_fails"].startswith("CheckpointError")
+        assert "Input/output error" in c["rank0_fails"], c["rank0_fails"]
+        # The half-written checkpoint is gone; latest() is still the previous one.
+        assert c["after_rank1_fails"]["latest"] == c["good_path"]
+        assert c["after_rank1_fails"]["listing"] == ["step3"]
+        # A checkpoint moved into place without COMPLETE is never taken as complete.
+        assert c["after_rank0_fails"]["latest"] == c["good_path"]
+        assert "incomplete" in c["load_incomplete"]
+        assert c["reloaded_diffs"] == [], (rank, c["reloaded_diffs"])
+
+
+def test_latest_ignores_unfinished(tmp_path):
+    assert zerodp.latest(tmp_path) is None
+    assert zerodp.latest(tmp_path / "absent") is None
+    for name, step, complete in (("step10", 10, True), ("step30", 30, False), ("step40.tmp-abc", 40, True),
+                                 ("step20", 20, True)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metadata.json").write_text(f'{{"step": {step}}}')
+        if complete:
+            (d / "COMPLETE").write_text("{}")
+    assert zerodp.latest(tmp_path) == str(tmp_path / "step20")
+
+
+BAD = {
+    "missing_shard": ["rank1.safetensors is missing"],
+    "truncated_shard": ["rank0.safetensors has", "truncated"],
+    "corrupt_shard": ["rank1.safetensors is corrupt", "sha256"],
+    "incomplete": ["incomplete", "no COMPLETE marker"],
+    "not_a_checkpoint": ["is not a zerodp checkpoint"],
+    "a_file": ["is not a checkpoint", "file"],
+    "nonexistent": ["does not exist"],
+    "other_model": ["does not match the model", "missing", "gpt.transformer.h.1.attn.c_attn.weight",
+                    "shape differs", "gpt.transformer.wte.weight (256, 16) vs model (256, 32)"],
+    "other_optimizer": ["holds SGD state", "AdamW"],
+    "pretrained_missing": ["missing (1): gpt.transformer.ln_f.weight"],
+    "pretrained_shape": ["shape differs", "gpt.transformer.wpe.weight (3, 3) vs model (32, 32)"],
+    "pretrained_unexpected": ["not in the model (1): extra_head"],
+    "pretrained_no_file": ["do not exist"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_raises_and_changes_nothing(worlds, case):
+    for rank, r in enumerate(worlds["w2"]):
+        res = r["bad"][case]
+        assert res["error"] is not None and res["error"].startswith("CheckpointError"), (rank, res)
+        for fragment in BAD[case]:
+            assert fragment in res["error"], (rank, fragment, res["error"])
+        assert res["changed"] == [], (rank, res["changed"])
+
+
+def test_good_checkpoint_loads_after_bad_ones(worlds):
+    assert all(r["bad"]["good_loads"] is None for r in worlds["w2"])
