@@ -25,7 +25,10 @@ def _worker(rank, world_size, store_path, fn, args, out_dir, timeout_s):
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        result = ("ok", fn(rank, world_size, *args))
+        value = fn(rank, world_size, *args)
+        # No rank tears the group down while another is still finishing its last collective.
+        dist.barrier()
+        result = ("ok", value)
     except BaseException as e:  # reported to the parent, which fails the test
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:

@@ -186,8 +186,10 @@ def hard_cases(rank, world_size):
             "frozen_unchanged": bool(torch.equal(got["blocks.1.frozen.weight"].to(dtype).float(),
                                                  init["blocks.1.frozen.weight"].to(dtype).float())),
             "eval_rel": float((y.float() - y_ref.float()).norm() / y_ref.float().norm()),
-            "all_freed": all(u.state is UnitState.SHARDED and u.full.untyped_storage().nbytes() == 0
-                             for u in opt.stage3.units),
+            # Every gathered buffer went back to the pool; parameters are 1-D shard views again.
+            "all_freed": all(u.state is UnitState.SHARDED and u.full is None for u in opt.stage3.units)
+            and all(p.ndim == 1 for p in model.parameters() if p.requires_grad)
+            and sum(b.numel() * b.element_size() for b in opt.stage3.pool.free) == opt.stage3.pool.allocated_nbytes,
             "no_grads": all(p.grad is None for p in model.parameters()),
             # Buffers stay replicated, full and updated in place by forward.
             "buffer_ok": tuple(model.blocks[0].running.shape) == (8,) and bool(model.blocks[0].running.abs().sum() > 0),

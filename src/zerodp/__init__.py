@@ -4,9 +4,10 @@
     model, optimizer = zerodp.initialize(model, torch.optim.AdamW, zerodp.Config(stage=2), lr=3e-4)
 """
 from .api import initialize
-from .checkpoint import consolidate, latest, load, load_pretrained, save
+from .checkpoint import consolidate, export, latest, load, load_pretrained, save
 from .comm import CommLedger, init_distributed
 from .config import Config, ConfigError
+from .estimator import estimate
 from .materialize import init
 from .memory import MemoryReport
 from .optimizer import ZeroOptimizer
@@ -14,6 +15,9 @@ from .stage3 import gathered_parameters
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "CommLedger", "MemoryReport", "ZeroOptimizer", "gathered_parameters", "init", "init_distributed",
-           "initialize", "__version__",
-           "save", "load", "latest", "consolidate", "load_pretrained"]
+__all__ = [
+    "Config", "ConfigError", "CommLedger", "MemoryReport", "ZeroOptimizer",
+    "init_distributed", "init", "initialize", "gathered_parameters",
+    "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
+    "__version__",
+]

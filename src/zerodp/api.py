@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from .comm import Comm
 from .config import Config
+from .materialize import has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .reducer import FlatParamGroup, GradReducer
 
@@ -84,6 +85,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     comm = Comm(process_group)
+    if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        materialize(model, device, on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "

@@ -129,3 +129,29 @@ class FlatLayout:
     def gather_shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """The rank's shard of a full buffer, as a new contiguous tensor."""
         return torch.cat([flat[p.flat_start: p.flat_start + p.numel] for p in self.shard_pieces(rank)])
+
+
+class BufferPool:
+    """Long-lived buffers, allocated once and handed out again (the paper's MD and CB,
+    §6.2-6.3): bucket staging at stages 0-2, gathered units and unsharded gradients at
+    stage 3. Reusing them keeps the process's memory flat: freed large blocks would
+    otherwise stay in the C allocator's heap, so resident memory would not fall."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.allocated_nbytes = 0
+
+    def get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer of `numel` elements starting at offset 0 of its storage (contents
+        undefined): the smallest free one that fits, or a new one."""
+        fits = [i for i, b in enumerate(self.free)
+                if b.numel() >= numel and b.dtype == dtype and b.device == torch.device(device)]
+        if fits:
+            best = min(fits, key=lambda i: self.free[i].numel())
+            return self.free.pop(best)[:numel]
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        self.allocated_nbytes += buf.numel() * buf.element_size()
+        return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        self.free.append(buf._base if buf._base is not None else buf)

@@ -46,15 +46,17 @@ def tensors_nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def is_elementwise_state(value, param: torch.Tensor) -> bool:
+    """A per-element optimizer state (shaped like its parameter, e.g. Adam's exp_avg), as
+    opposed to a 0-dim scalar such as Adam's step counter."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+
+
 def optimizer_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of per-element optimizer states (tensors shaped like their parameter); scalar
-    states such as Adam's step counter are not model state in the paper's sense."""
-    total = 0
-    for p, state in optimizer.state.items():
-        for v in state.values():
-            if torch.is_tensor(v) and v.numel() == p.numel() and v.numel() > 1:
-                total += v.numel() * v.element_size()
-    return total
+    """Bytes of per-element optimizer states; scalar states such as Adam's step counter are
+    not model state in the paper's sense."""
+    return sum(v.numel() * v.element_size() for p, state in optimizer.state.items()
+               for v in state.values() if is_elementwise_state(v, p))
 
 
 def formula_bytes(stage: int, numel: int, world_size: int, param_bytes: int, grad_bytes: int,

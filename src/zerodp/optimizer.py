@@ -23,7 +23,7 @@ import torch
 
 from .comm import Comm
 from .config import Config
-from .memory import MemoryReport, optimizer_state_nbytes
+from .memory import MemoryReport, is_elementwise_state, optimizer_state_nbytes
 from .precision import LossScaler
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     ti, base = shard.piece_at[pi]
                     master_t = shard.master_tensors[ti]
                     states = {k: v for k, v in self.inner.state.get(master_t, {}).items()
-                              if torch.is_tensor(v) and v.numel() == master_t.numel() and v.numel() > 1}
+                              if is_elementwise_state(v, master_t)}
                     for si, slot in enumerate(st.layout.slots):
                         lo = max(slot.offset, piece.flat_start)
                         hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
@@ -250,7 +250,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for shard in group:
                 for t in shard.master_tensors:
                     for k, v in self.inner.state.get(t, {}).items():
-                        if not (torch.is_tensor(v) and v.numel() == t.numel() and v.numel() > 1):
+                        if not is_elementwise_state(v, t):
                             found.setdefault(k, float(v) if torch.is_tensor(v) else v)
             out.append(found)
         return out

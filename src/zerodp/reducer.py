@@ -20,14 +20,14 @@ Where gradients live:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from .comm import Comm
-from .flat import FlatLayout, Piece
+from .flat import BufferPool, FlatLayout, Piece
 
 log = logging.getLogger(__name__)
 
@@ -117,26 +117,6 @@ class _Bucket:
     work: object = None
 
 
-@dataclass
-class _BufferPool:
-    """Reusable reduce-dtype bucket buffers (CB): allocated once, then recycled."""
-
-    free: list = field(default_factory=list)
-    allocated_nbytes: int = 0
-
-    def get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        for i, buf in enumerate(self.free):
-            if buf.numel() >= numel and buf.dtype == dtype:
-                return self.free.pop(i)[:numel]
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        self.allocated_nbytes += buf.numel() * buf.element_size()
-        return buf
-
-    def put(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf
-        self.free.append(base)
-
-
 class GradReducer:
     """Launches each bucket's reduction from backward hooks (stages 0-2)."""
 
@@ -144,7 +124,7 @@ class GradReducer:
                  overlap: bool, backward_order: dict):
         self.groups, self.comm = groups, comm
         self.accumulation_steps, self.overlap = accumulation_steps, overlap
-        self.pool = _BufferPool()
+        self.pool = BufferPool()
         self.micro_step = 0  # backward passes since the last step
         self.grads_ready = False  # the boundary backward has finished reducing
         self._callback_queued = False

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from .comm import Comm
 from .config import Config
+from .flat import BufferPool
 from .materialize import has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .units import FlatUnit, UnitGroupView, UnitState, assign_params, select_units
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, Stage3Engine]" = weakref.WeakKeyDictionary()
 
 
+class _UnitView:
+    """Marks a saved tensor packed as a view of a unit's gathered buffer."""
+
+
 def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -46,8 +51,9 @@ def _inside_backward() -> bool:
 class Stage3Engine:
     """The schedule: when each unit is gathered, freed and reduced."""
 
-    def __init__(self, units: list[FlatUnit], comm: Comm, config: Config):
-        self.units, self.comm, self.config = units, comm, config
+    def __init__(self, units: list[FlatUnit], comm: Comm, config: Config, pool: BufferPool):
+        self.units, self.comm, self.config, self.pool = units, comm, config, pool
+        self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
         self.root = len(units) - 1
         self.accumulation_steps = config.grad_accumulation_steps
         self.micro_step = 0
@@ -67,7 +73,8 @@ class Stage3Engine:
         self.gathered_peak_nbytes = 0
         for ui, unit in enumerate(units):
             unit.module.register_forward_pre_hook(self._make_pre_forward(ui))
-            unit.module.register_forward_hook(self._make_post_forward(ui))
+            # always_call: the root's hook also ends a forward that raised (saved-tensor hooks).
+            unit.module.register_forward_hook(self._make_post_forward(ui), always_call=True)
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
         self._reset_backward_state()
@@ -114,6 +121,9 @@ class Stage3Engine:
             in_backward = _inside_backward()
             if ui == self.root and not in_backward:
                 self._used.clear()
+                if torch.is_grad_enabled() and self._saved_hooks is None:
+                    self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                    self._saved_hooks.__enter__()
             phase = "backward" if in_backward else "forward"
             self._gather(ui, phase, async_op=False)
             self.units[ui].wait()
@@ -126,6 +136,9 @@ class Stage3Engine:
 
     def _make_post_forward(self, ui: int):
         def hook(module, args, output):
+            if ui == self.root and self._saved_hooks is not None:
+                self._saved_hooks.__exit__(None, None, None)
+                self._saved_hooks = None
             if _inside_backward():  # recomputation (activation checkpointing): backward needs them
                 return None
             training = torch.is_grad_enabled()
@@ -144,6 +157,27 @@ class Stage3Engine:
                         unit.reshard()
             return None
         return hook
+
+    # -- saved tensors (see [Note: unit storage] in units.py) -----------------------------------
+    def _pack(self, t: torch.Tensor):
+        if t.layout is not torch.strided:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        for ui, unit in enumerate(self.units):
+            if unit.full is not None and ptr == unit.full.untyped_storage().data_ptr():
+                return (_UnitView, ui, t.storage_offset(), tuple(t.shape), t.stride())
+        return t
+
+    def _unpack(self, packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] is _UnitView):
+            return packed
+        _, ui, offset, shape, stride = packed
+        unit = self.units[ui]
+        if unit.full is None or unit.state is UnitState.SHARDED:
+            raise RuntimeError(f"rank {self.comm.rank}: backward needs the parameters of stage-3 unit {unit.name}, "
+                               f"which are not gathered: was a parameter of it used outside the unit's forward?")
+        unit.wait()
+        return unit.full.as_strided(shape, stride, offset)
 
     # -- backward ----------------------------------------------------------------------------
     def _make_pre_backward(self, ui: int):
@@ -236,11 +270,13 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
     remaining = [len(idx) for idx in assignment]
     current = {i: p for i, (_, p) in enumerate(named)}
     built: dict[int, FlatUnit] = {}
+    pool = BufferPool()
 
     def build(ui: int) -> None:
         idx = assignment[ui]
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
-                             comm, config.compute_dtype, config.grad_reduce_dtype, sync_from_rank0=not born_sharded)
+                             comm, config.compute_dtype, config.grad_reduce_dtype, pool,
+                             sync_from_rank0=not born_sharded)
 
     # A model born on the meta device is initialised identically on every rank from the
     # seed (materialize.py), so its units need no broadcast from rank 0.
@@ -275,7 +311,7 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
         from .api import _cast_forward_inputs
 
         model.register_forward_pre_hook(_cast_forward_inputs(config.compute_dtype), with_kwargs=True)
-    engine = Stage3Engine(flat_units, comm, config)
+    engine = Stage3Engine(flat_units, comm, config, pool)
     name_index = {n: i for i, n in enumerate(names)}
     storages = []
     for idx in group_indices:

@@ -3,16 +3,16 @@
 [Note: unit storage]
 A unit's trainable parameters are laid out in one flat buffer (flat.py) with a single
 segment, so the unit is gathered and reduced with one collective each. Between uses a
-rank keeps only `shard` (its 1/N chunk, compute dtype); the full buffer `full` keeps its
-tensor object but its storage is resized to 0 bytes. Each parameter's `.data` is then a
+rank keeps only `shard` (its 1/N chunk, compute dtype), and each parameter's `.data` is a
 1-D view of the rank's part of it in `shard` (possibly empty), so `model.parameters()`
-shows only owned elements. Gathering resizes the storage back, all-gathers into it and
-points `.data` at full-shape views again. Autograd keeps views of the full buffer that
-forward saved for backward; because the storage object is the same, those views see the
-re-gathered values in backward, and the freed bytes are really freed in between (FSDP's
-approach). Writes into `full` outside a collective are wrapped in
-`_unsafe_preserve_version_counter` so that autograd does not take the refill for an
-in-place change of a saved tensor.
+shows only owned elements. Gathering takes a buffer from a `BufferPool`, all-gathers into
+it and points `.data` at full-shape views of it; freeing gives the buffer back to the
+pool, where the next unit of the same size reuses it. Nothing is freed to the C
+allocator, so resident memory stays at the few buffers in flight (the paper's MD).
+Autograd would keep views of a buffer that forward saved for backward, and by then the
+buffer may hold another unit; so while a stage-3 model runs forward, saved tensors that
+lie in a unit's buffer are packed as (unit, offset, shape, stride) and unpacked from the
+unit's buffer of the moment, which backward has gathered again (stage3.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm
-from .flat import FlatLayout, Piece
+from .flat import BufferPool, FlatLayout, Piece
 
 _ONE_SEGMENT = 1 << 62
 
@@ -98,7 +98,8 @@ class FlatUnit:
     """One unit's sharded parameters, its gather buffer and its gradient shard."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, sync_from_rank0: bool = True):
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
+                 sync_from_rank0: bool = True):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         self.rank, self.world_size = comm.rank, comm.world_size
         self.layout = FlatLayout([p.shape for p in params], comm.world_size, _ONE_SEGMENT)
@@ -117,15 +118,16 @@ class FlatUnit:
         self._initial_fp32: Optional[torch.Tensor] = own.clone() if compute_dtype != torch.float32 else None
         self.shard = own.to(compute_dtype).clone()
         device = self.shard.device
-        self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
-        self.full_views = self.layout.views(self.full)
-        self.full_nbytes = self.full.untyped_storage().nbytes()
+        self.full: Optional[torch.Tensor] = None  # the gathered buffer, from the pool, while in use
+        self.full_nbytes = self.layout.padded_numel * self.shard.element_size()
         # Allocated at the first backward: a model that is only built or evaluated holds none.
         self.grad_shard: Optional[torch.Tensor] = None
         self.grad_full: Optional[torch.Tensor] = None  # accumulated unsharded gradients, during backward
-        self.state = UnitState.GATHERED
+        self.pool = pool
         self.work = None
-        self.reshard()
+        for p, view in zip(self.params, self._param_shard_views()):
+            p.data = view
+        self.state = UnitState.SHARDED
 
     # -- gather / free (see [Note: unit storage]) ----------------------------------------
     def unshard(self, comm: Comm, phase: str, async_op: bool) -> None:
@@ -134,11 +136,8 @@ class FlatUnit:
         if self.empty:
             self.state = UnitState.GATHERED
             return
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.full_nbytes)
-        with torch.autograd._unsafe_preserve_version_counter(self.full):
-            self.work = comm.all_gather(self.full, self.shard, phase, async_op=async_op)
+        self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.shard.device)
+        self.work = comm.all_gather(self.full, self.shard, phase, async_op=async_op)
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -147,7 +146,7 @@ class FlatUnit:
                 self.work.wait()
                 self.work = None
             with torch.no_grad():
-                for p, view in zip(self.params, self.full_views):
+                for p, view in zip(self.params, self.layout.views(self.full)):
                     p.data = view
             self.state = UnitState.GATHERED
 
@@ -155,10 +154,11 @@ class FlatUnit:
         if self.state is UnitState.SHARDED:
             return
         self.wait()
-        pieces = self._param_shard_views()
-        for p, view in zip(self.params, pieces):
+        for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
-        self.full.untyped_storage().resize_(0)
+        if self.full is not None:
+            self.pool.put(self.full)
+            self.full = None
         self.state = UnitState.SHARDED
 
     def _param_shard_views(self) -> list[torch.Tensor]:
@@ -177,7 +177,7 @@ class FlatUnit:
     def accumulate_grads(self) -> None:
         """Move the parameters' unsharded gradients into `grad_full` and free them."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
+            self._new_grad_full()
         for p, slot in zip(self.params, self.layout.slots):
             if p.grad is not None:
                 self.grad_full[slot.offset: slot.offset + slot.numel].add_(p.grad.reshape(-1))
@@ -188,7 +188,7 @@ class FlatUnit:
         if self.empty:
             return None
         if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
+            self._new_grad_full()
         self.grad_full.div_(self.world_size)  # average, dividing first as DDP does
         return comm.reduce_scatter(self.ensure_grad_shard(), self.grad_full, "backward", async_op=async_op)
 
@@ -197,8 +197,14 @@ class FlatUnit:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.shard.device)
         return self.grad_shard
 
+    def _new_grad_full(self) -> None:
+        self.grad_full = self.pool.get(self.layout.padded_numel, self.reduce_dtype, self.shard.device)
+        self.grad_full.zero_()
+
     def free_grads(self) -> None:
-        self.grad_full = None
+        if self.grad_full is not None:
+            self.pool.put(self.grad_full)
+            self.grad_full = None
 
     # -- what the optimizer sees -----------------------------------------------------------
     def owned_pieces(self, indices=None) -> list[Piece]:

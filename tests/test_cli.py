@@ -1,0 +1,179 @@
+"""The `zerodp` command: an end-to-end training run, the estimator's output, launch's
+command line, and one-line usage errors."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import zerodp
+from zerodp import cli
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def zerodp_cmd(*args, timeout=120, cwd=None):
+    """Run `python -m zerodp ARGS` (the same entry point as the console script)."""
+    return subprocess.run([sys.executable, "-m", "zerodp", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=ENV, cwd=cwd)
+
+
+def stage3_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("zerodp.stage3") is not None
+
+
+def checkpoints_available() -> bool:
+    return all(hasattr(zerodp, f) for f in ("save", "load", "latest"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One 2-rank run of the tiny GPT, shared by the tests that inspect its outputs."""
+    out = tmp_path_factory.mktemp("run")
+    stage = 3 if stage3_available() else 2
+    args = ["train", "--model", "tiny", "--nproc", 2, "--stage", stage, "--steps", 24, "--lr", "1e-2",
+            "--eval-every", 8, "--sample-tokens", 16, "--out", out]
+    if checkpoints_available():
+        args += ["--ckpt-dir", out / "ckpt", "--ckpt-every", 12]
+    proc = zerodp_cmd(*args, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, proc, stage
+
+
+def test_train_end_to_end(tiny_run):
+    out, proc, stage = tiny_run
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stage"] == stage and s["world_size"] == 2 and s["model"] == "tiny"
+    assert len(s["losses"]) == 24 and len(s["val_losses"]) == 3
+    # The loss falls clearly: from ln(256) = 5.5 for uniform bytes to well under 4.
+    assert s["loss"]["first"] > 5.0
+    assert s["loss"]["last"] < s["loss"]["first"] - 1.5
+    assert s["val_losses"][-1][1] < s["val_losses"][0][1]
+    # Model state per rank is the stage's formula, below DDP's, and the step's volume the paper's.
+    psi = s["numel"]
+    assert psi == 34_688
+    assert s["memory"]["model_state"] < s["model_state_ddp_nbytes"]
+    assert s["model_state_ddp_nbytes"] == 16 * psi  # fp32 AdamW: 4 + 4 + 8 bytes per parameter
+    assert abs(s["memory"]["model_state"] - s["model_state_formula_nbytes"]) <= 16 * 2  # padding to N
+    assert abs(s["volume_numel_last_step"] - s["volume_factor"] * psi) <= s["volume_factor"] * 2
+    assert (out / "summary.png").stat().st_size > 10_000
+    assert s["sample"].startswith("LOVE, n.")
+    assert "model state / rank" in proc.stdout and "comm / step" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not checkpoints_available(), reason="zerodp.save/load/latest not available yet")
+def test_train_checkpoint_resume_and_export(tiny_run, tmp_path):
+    out, _, stage = tiny_run
+    ckpts = sorted(os.listdir(out / "ckpt"))
+    assert ckpts == ["step_000012", "step_000024"]
+    assert zerodp.latest(out / "ckpt").endswith("step_000024")
+    proc = zerodp_cmd("train", "--model", "tiny", "--nproc", 2, "--stage", stage, "--steps", 28, "--lr", "1e-2",
+                      "--eval-every", 8, "--sample-tokens", 0, "--out", tmp_path / "more",
+                      "--ckpt-dir", out / "ckpt", "--resume")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "resumed from" in proc.stdout and "at step 24" in proc.stdout
+    s = json.loads((tmp_path / "more" / "summary.json").read_text())
+    assert [step for step, _ in s["losses"]] == list(range(28))  # history carried over, 4 new steps
+    target = tmp_path / "model.safetensors"
+    proc = zerodp_cmd("export", out / "ckpt" / "step_000024", target)
+    assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    from zerodp.models import GPT
+
+    GPT("tiny").load_state_dict(load_file(str(target)), strict=True)
+
+
+def test_estimate_paper_table_1():
+    proc = zerodp_cmd("estimate", "--paper-table-1")
+    assert proc.returncode == 0, proc.stderr
+    for cell in ("31.4", "16.6", "1.88", "120", "7.5B", "1T"):
+        assert cell in proc.stdout
+
+
+def test_estimate_fits(capsys):
+    assert cli.main(["estimate", "--params", "7.5e9", "--world-sizes", "1", "64", "--device-memory", "32GB"]) == 0
+    out = capsys.readouterr().out
+    assert "1.88" in out and "120" in out  # stage 3 at N=64, and DDP
+    # 32 GB / 16 bytes = 2B parameters at DP=1; stage 3 at N=64 fits 128B.
+    assert "2.00B" in out and "128.00B *" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--nproc", "100000"], "--nproc 100000 is larger than allowed"),
+    (["train", "--stage", "7"], "invalid choice: 7"),
+    (["train", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["estimate"], "give --params, --model or --model-config"),
+    (["estimate", "--params", "lots"], "not a parameter count"),
+    (["launch", "--nproc", "100000", "x.py"], "larger than allowed"),
+    (["launch", "--nnodes", "2", "x.py"], "needs --rdzv-endpoint"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_usage_errors_are_one_line(argv, expected):
+    proc = zerodp_cmd(*argv, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert expected in lines[0] and lines[0].startswith("zerodp")
+
+
+def test_help():
+    proc = zerodp_cmd("--help", timeout=60)
+    assert proc.returncode == 0
+    for command in ("train", "estimate", "launch", "bench", "export"):
+        assert command in proc.stdout
+    proc = zerodp_cmd("train", "--help", timeout=60)
+    assert proc.returncode == 0 and "--grad-accum" in proc.stdout
+
+
+def test_launch_command_line():
+    p = cli.build_parser()
+    args = p.parse_args(["launch", "--nproc", "2", "train.py", "--lr", "3e-4", "--nproc", "9"])
+    args.nproc_checked = 2
+    cmd = cli.torchrun_command(args)
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                       "train.py", "--lr", "3e-4", "--nproc", "9"]
+    args = p.parse_args(["launch", "--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "node0:29400",
+                         "-m", "mypkg.train"])
+    args.nproc_checked = 8
+    cmd = cli.torchrun_command(args)
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29400" and cmd[-2:] == ["-m", "mypkg.train"]
+    args = p.parse_args(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "t.py"])
+    args.nproc_checked = 1
+    cmd = cli.torchrun_command(args)
+    assert cmd[cmd.index("--node-rank") + 1] == "1" and cmd[cmd.index("--master-addr") + 1] == "10.0.0.1"
+
+
+def test_train_forwards_full_flag_names():
+    """torchrun's parser would claim --nproc (a prefix of its --nproc-per-node); the job gets
+    the parsed flags re-stated in full, without --nproc."""
+    from zerodp.train import add_arguments, to_argv
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--nproc", "2", "--ste", "7", "--resume", "--precision", "bf16"])
+    assert to_argv(args, p) == ["--precision", "bf16", "--steps", "7", "--resume"]
+
+
+def test_launch_runs_example(tmp_path):
+    proc = zerodp_cmd("launch", "--nproc", 2, "examples/ddp_to_zerodp.py", "--steps", 3,
+                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step 3" in proc.stdout
+
+
+def test_bench_missing_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "find_bench", lambda: None)
+    assert cli.main(["bench", "--quick"]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
