@@ -17,7 +17,7 @@ from torch import nn
 
 import zerodp
 from zerodp import checkpoint
-from zerodp.models import GPT, GPTConfig
+from zerodp.models import GPT, Block, GPTConfig
 
 TRAIN = 3  # steps before the save, and after it
 SMALL_BUCKET = 4096  # bytes: the model spans several buckets
@@ -46,6 +46,11 @@ class LM(nn.Module):
         logits, _ = self.gpt(idx)
         logits = self.drop(logits) / self.temperature + self.out_bias
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def config(stage, **kw):
+    """The cases' Config: small buckets for stages 0-2, one unit per transformer Block at stage 3."""
+    return zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET, unit_modules=(Block,) if stage == 3 else (), **kw)
 
 
 def adamw_groups(params):
@@ -99,7 +104,10 @@ def seed_rngs(seed):
 
 
 def full_state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The model's full state_dict on every rank (stage 3 holds 1-D shards of trainable
+    parameters outside a gather; the gather is a no-op at stages 0-2)."""
+    with zerodp.gathered_parameters(model):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def snapshot(model, opt):
@@ -172,8 +180,7 @@ def barrier():
 def save_for_reshard(root, tag, stage, rank):
     """Train, save, train on: the uninterrupted run the loaders compare against."""
     torch.manual_seed(0)
-    cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET)
-    model, opt = zerodp.initialize(LM(), adamw_groups, cfg)
+    model, opt = zerodp.initialize(LM(), adamw_groups, config(stage))
     train(model, opt, TRAIN, fixed_batch)
     path = zerodp.save(os.path.join(root, tag, f"step{TRAIN}"), model, opt, data_position=TRAIN)
     at_save = full_state(model)
@@ -184,8 +191,7 @@ def save_for_reshard(root, tag, stage, rank):
 def resume_from(root, saved_path, stage, tag):
     """Load another world's or stage's checkpoint, check it round-trips exactly, train on."""
     torch.manual_seed(123)  # a different initialisation: everything must come from the checkpoint
-    cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET)
-    model, opt = zerodp.initialize(LM(), adamw_groups, cfg)
+    model, opt = zerodp.initialize(LM(), adamw_groups, config(stage))
     extra = zerodp.load(saved_path, model, opt)
     after_load = full_state(model)
     again = zerodp.save(os.path.join(root, "roundtrip", tag), model, opt)
@@ -199,11 +205,12 @@ def resume_from(root, saved_path, stage, tag):
 
 
 def world_one_first(rank, world_size, root):
-    return {"r1": save_for_reshard(root, "r1", 2, rank)}
+    return {"r1": save_for_reshard(root, "r1", 2, rank), "r1s3": save_for_reshard(root, "r1s3", 3, rank)}
 
 
 def world_four(rank, world_size, root):
     return {"from1": resume_from(root, os.path.join(root, "r1", f"step{TRAIN}"), 2, "4_from1"),
+            "from1s3": resume_from(root, os.path.join(root, "r1s3", f"step{TRAIN}"), 3, "4_from1s3"),
             "r4": save_for_reshard(root, "r4", 2, rank)}
 
 
@@ -213,8 +220,7 @@ def world_one_last(rank, world_size, root):
 
 # -- bitwise resume at the same world size and stage -----------------------------------------
 def bitwise_resume(root, stage, precision, rank):
-    cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                        initial_loss_scale=1024.0, loss_scale_growth_interval=2)
+    cfg = config(stage, mixed_precision=precision, initial_loss_scale=1024.0, loss_scale_growth_interval=2)
     path = os.path.join(root, f"bitwise_s{stage}_{precision}")
 
     def fresh(seed):
@@ -327,13 +333,14 @@ def _damaged_copies(root, good):
     return cases
 
 
-def bad_inputs(root, rank):
-    cfg = zerodp.Config(stage=2, mixed_precision="bf16", bucket_bytes=SMALL_BUCKET)
+def _bad_sources(root, rank):
+    """A good stage-2 bf16 checkpoint, damaged copies of it, checkpoints of another model
+    and of another optimizer, and bad full state_dicts; the same files on every rank."""
+    cfg = config(2, mixed_precision="bf16")
     torch.manual_seed(0)
     model, opt = zerodp.initialize(LM(), adamw_groups, cfg)
     train(model, opt, TRAIN, fixed_batch)
     good = zerodp.save(os.path.join(root, "bad_src", "good"), model, opt)
-    # Checkpoints of another model and of another optimizer.
     torch.manual_seed(0)
     other_cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16)
     other, other_opt = zerodp.initialize(LM(cfg=other_cfg), adamw_groups, cfg)
@@ -352,22 +359,24 @@ def bad_inputs(root, rank):
         cases["nonexistent"] = cases.pop("nope")
     cases["other_model"] = other_path
     cases["other_optimizer"] = sgd_path
+    full = checkpoint.consolidate(good)
+    pretrained_cases = {
+        "pretrained_missing": {k: v for k, v in full.items() if k != "gpt.transformer.ln_f.weight"},
+        "pretrained_shape": dict(full, **{"gpt.transformer.wpe.weight": torch.zeros(3, 3)}),
+        "pretrained_unexpected": dict(full, extra_head=torch.zeros(2)),
+        "pretrained_no_file": os.path.join(root, "bad", "none.safetensors"),
+    }
+    return model, opt, good, cases, pretrained_cases
 
-    train(model, opt, 1, fixed_batch, first_step=TRAIN)  # move away from the checkpoint's values
+
+def _try_bad(model, opt, good, cases, pretrained_cases):
+    """Each bad input's error and what it changed (nothing, if load validates first)."""
     out = {}
     for name, path in cases.items():
         before = snapshot(model, opt)
         err = error_of(lambda path=path: zerodp.load(path, model, opt))
         out[name] = {"error": err, "changed": diffs(before, snapshot(model, opt))}
-
-    # load_pretrained with a bad state_dict.
-    full = checkpoint.consolidate(good)
-    missing = {k: v for k, v in full.items() if k != "gpt.transformer.ln_f.weight"}
-    wrong_shape = dict(full, **{"gpt.transformer.wpe.weight": torch.zeros(3, 3)})
-    unexpected = dict(full, extra_head=torch.zeros(2))
-    for name, source in (("pretrained_missing", missing), ("pretrained_shape", wrong_shape),
-                         ("pretrained_unexpected", unexpected),
-                         ("pretrained_no_file", os.path.join(root, "bad", "none.safetensors"))):
+    for name, source in pretrained_cases.items():
         before = snapshot(model, opt)
         err = error_of(lambda source=source: zerodp.load_pretrained(model, source, opt))
         out[name] = {"error": err, "changed": diffs(before, snapshot(model, opt))}
@@ -376,13 +385,25 @@ def bad_inputs(root, rank):
     return out
 
 
+def bad_inputs(root, rank):
+    """Bad input into a stage-2 model and into a stage-3 one, each moved away from the
+    checkpoint's values first."""
+    model, opt, good, cases, pretrained_cases = _bad_sources(root, rank)
+    train(model, opt, 1, fixed_batch, first_step=TRAIN)
+    out = {2: _try_bad(model, opt, good, cases, pretrained_cases)}
+    torch.manual_seed(0)
+    model, opt = zerodp.initialize(LM(), adamw_groups, config(3, mixed_precision="bf16"))
+    train(model, opt, TRAIN + 1, fixed_batch)
+    out[3] = _try_bad(model, opt, good, cases, pretrained_cases)
+    return out
+
+
 # -- full state_dicts: consolidate, export, load_pretrained ------------------------------------
 def pretrained(root, rank):
     out = {}
     # A plain GPT('tiny') trained in bf16: the parent consolidates it into an unwrapped model.
     torch.manual_seed(0)
-    cfg = zerodp.Config(stage=2, mixed_precision="bf16", bucket_bytes=SMALL_BUCKET)
-    gpt, opt = zerodp.initialize(GPT("tiny"), adamw_groups, cfg)
+    gpt, opt = zerodp.initialize(GPT("tiny"), adamw_groups, config(2, mixed_precision="bf16"))
     for step in range(2):
         x, y = fixed_batch(step, rank, opt.comm.world_size)
         _, loss = gpt(x, y)
@@ -392,17 +413,17 @@ def pretrained(root, rank):
     path = zerodp.save(os.path.join(root, "gpt_bf16"), gpt, opt)
     out["gpt_bf16"] = {"path": path, "state": full_state(gpt),
                        "master": {(s.name, s.start): s.master.clone() for s in opt.owned_slices()}}
-    # load_pretrained from a dict (stage 1, bf16) and from an exported file (stage 2, fp32).
+    # load_pretrained from a dict (stage 1, bf16; stage 3, bf16) and from an exported file (stage 2, fp32).
     src = os.path.join(root, "r2s2", f"step{TRAIN}")
     full = checkpoint.consolidate(src)
     exported = os.path.join(root, "export", "lm.safetensors")
     if rank == 0:
         checkpoint.export(src, exported)
     barrier()
-    for tag, stage, precision, source in (("dict_s1_bf16", 1, "bf16", full), ("file_s2_fp32", 2, "fp32", exported)):
+    for tag, stage, precision, source in (("dict_s1_bf16", 1, "bf16", full), ("file_s2_fp32", 2, "fp32", exported),
+                                          ("dict_s3_bf16", 3, "bf16", full)):
         torch.manual_seed(7)
-        model, o = zerodp.initialize(LM(), adamw_groups,
-                                     zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET))
+        model, o = zerodp.initialize(LM(), adamw_groups, config(stage, mixed_precision=precision))
         zerodp.load_pretrained(model, source, o)
         dtype = o.config.compute_dtype
         got = full_state(model)
@@ -421,11 +442,11 @@ def world_two(rank, world_size, root):
     out = {}
     # Resharding: 4 -> 2 (and stage 2 -> 1), then stage changes at the same world size.
     out["from4"] = resume_from(root, os.path.join(root, "r4", f"step{TRAIN}"), 1, "2_from4")
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         out[f"r2s{stage}"] = save_for_reshard(root, f"r2s{stage}", stage, rank)
-    for src, dst in ((1, 2), (2, 1), (0, 2), (2, 0)):
+    for src, dst in ((1, 2), (2, 1), (0, 2), (2, 0), (2, 3), (3, 2)):
         out[f"s{src}_to_s{dst}"] = resume_from(root, out[f"r2s{src}"]["path"], dst, f"2_s{src}_to_s{dst}")
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for precision in ("bf16", "fp16"):
             out[("bitwise", stage, precision)] = bitwise_resume(root, stage, precision, rank)
     out["crash"] = crash_during_save(root, rank)

@@ -30,7 +30,7 @@ def worlds(tmp_path_factory):
 
     out = {"root": root}
     out["w1_first"] = run_world(1, cases.world_one_first, root, timeout_s=120)[0]
-    out["w4"] = run_world(4, cases.world_four, root, timeout_s=200)[0]
+    out["w4"] = run_world(4, cases.world_four, root, timeout_s=200)
     out["w2"] = run_world(2, cases.world_two, root, timeout_s=300)
     out["w1_last"] = run_world(1, cases.world_one_last, root, timeout_s=120)[0]
     return out
@@ -48,22 +48,24 @@ def _check_resume(saver: dict, loader: dict):
     assert max_rel(loader["end"], saver["end"]) <= FP32_TOL
 
 
-@pytest.mark.parametrize("pair", ["1->4", "4->2", "2->1"])
+@pytest.mark.parametrize("pair", ["1->4", "4->2", "2->1", "1->4 at stage 3"])
 def test_reshard_to_another_world_size(worlds, pair):
     w2 = worlds["w2"][0]
-    saver, loader = {"1->4": (worlds["w1_first"]["r1"], worlds["w4"]["from1"]),
-                     "4->2": (worlds["w4"]["r4"], w2["from4"]),
-                     "2->1": (w2["r2s2"], worlds["w1_last"]["from2"])}[pair]
-    _check_resume(saver, loader)
+    saver, loaders = {"1->4": (worlds["w1_first"]["r1"], [w["from1"] for w in worlds["w4"]]),
+                      "4->2": (worlds["w4"][0]["r4"], [w["from4"] for w in worlds["w2"]]),
+                      "2->1": (w2["r2s2"], [worlds["w1_last"]["from2"]]),
+                      "1->4 at stage 3": (worlds["w1_first"]["r1s3"], [w["from1s3"] for w in worlds["w4"]])}[pair]
+    for loader in loaders:
+        _check_resume(saver, loader)
 
 
-@pytest.mark.parametrize("src,dst", [(1, 2), (2, 1), (0, 2), (2, 0)])
+@pytest.mark.parametrize("src,dst", [(1, 2), (2, 1), (0, 2), (2, 0), (2, 3), (3, 2)])
 def test_reshard_to_another_stage(worlds, src, dst):
     for rank_result in worlds["w2"]:
         _check_resume(rank_result[f"r2s{src}"], rank_result[f"s{src}_to_s{dst}"])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_bitwise_resume(worlds, stage, precision):
     for rank, r in enumerate(worlds["w2"]):
@@ -73,6 +75,22 @@ def test_bitwise_resume(worlds, stage, precision):
         assert res["data_position"] == TRAIN
     if precision == "fp16":  # the dynamic scale grew (interval 2) so the scaler state mattered
         assert worlds["w2"][0][("bitwise", stage, precision)]["scale"] > 1024.0
+
+
+def _assert_pieces_cover_once(path, world_size):
+    with open(os.path.join(path, "metadata.json")) as f:
+        meta = json.load(f)
+    # Every parameter's pieces cover it exactly once, across the rank files.
+    for name, info in meta["params"].items():
+        covered = sorted((start, start + n) for _, start, n in info["pieces"])
+        assert covered[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(covered)), name
+        assert covered[-1][1] == torch.Size(info["shape"]).numel(), name
+    assert {r for info in meta["params"].values() for r, _, _ in info["pieces"]} == set(range(world_size))
+    # Each element is written once in total: the rank files hold no parameter twice.
+    ranks = [load_file(os.path.join(path, f"rank{r}.safetensors")) for r in range(world_size)]
+    numel = sum(t.numel() for f in ranks for k, t in f.items() if k.startswith("master/"))
+    assert numel == sum(torch.Size(i["shape"]).numel() for i in meta["params"].values())
+    return meta
 
 
 def test_checkpoint_layout(worlds):
@@ -85,34 +103,35 @@ def test_checkpoint_layout(worlds):
     assert meta["zerodp_version"] == zerodp.__version__
     wte = meta["params"]["gpt.transformer.wte.weight"]
     assert wte["shape"] == [256, 32]
-    # Every parameter's pieces cover it exactly once, across the two rank files.
-    for name, info in meta["params"].items():
-        covered = sorted((start, start + n) for _, start, n in info["pieces"])
-        assert covered[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(covered)), name
-        assert covered[-1][1] == torch.Size(info["shape"]).numel(), name
-    assert {r for info in meta["params"].values() for r, _, _ in info["pieces"]} == {0, 1}
+    _assert_pieces_cover_once(path, 2)
     assert ["gpt.lm_head.weight", "param", "gpt.transformer.wte.weight"] in meta["state_dict_keys"]
     assert set(meta["replicated"]) == {"out_bias", "temperature"}
-    # Each element is written once in total: the rank files hold no parameter twice.
-    ranks = [load_file(os.path.join(path, f"rank{r}.safetensors")) for r in range(2)]
-    numel = sum(t.numel() for f in ranks for k, t in f.items() if k.startswith("master/"))
-    assert numel == sum(torch.Size(i["shape"]).numel() for i in meta["params"].values())
     # Stage 0 replicates the optimizer: rank 0 alone writes it.
     s0 = worlds["w2"][0]["r2s0"]["path"]
     assert len(load_file(os.path.join(s0, "rank1.safetensors"))) == 0
+    # Stage 3 (parameters sharded per unit) writes the same format: full shapes, the
+    # model's state_dict names, every element once.
+    s3 = _assert_pieces_cover_once(worlds["w2"][0]["r2s3"]["path"], 2)
+    assert s3["stage"] == 3
+    assert {k: v["shape"] for k, v in s3["params"].items()} == {k: v["shape"] for k, v in meta["params"].items()}
+    assert s3["state_dict_keys"] == meta["state_dict_keys"] and s3["replicated"] == meta["replicated"]
 
 
-def test_consolidate_into_plain_model(worlds):
-    w2 = worlds["w2"][0]
-    # The wrapped LM (tied weights, frozen parameter, buffer), fp32.
-    r = w2["r2s2"]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_consolidate_lm_into_plain_model(worlds, stage):
+    # The wrapped LM (tied weights, frozen parameter, buffer), fp32, saved at stage 2 or 3.
+    r = worlds["w2"][0][f"r2s{stage}"]
     sd = zerodp.consolidate(r["path"])
     plain = LM()
     plain.load_state_dict(sd, strict=True)
     assert list(sd) == list(plain.state_dict())
     for k, v in r["at_save"].items():
-        assert torch.equal(sd[k], v), k
+        assert sd[k].shape == v.shape and torch.equal(sd[k], v), k
     assert plain.gpt.lm_head.weight is plain.gpt.transformer.wte.weight
+
+
+def test_consolidate_into_plain_model(worlds):
+    w2 = worlds["w2"][0]
     # GPT('tiny') trained in bf16: fp32 masters by default, the bf16 weights with dtype="compute".
     g = w2["pretrained"]["gpt_bf16"]
     gpt = GPT("tiny")
@@ -138,7 +157,7 @@ def test_export_file_loads_strict(worlds, tmp_path):
 
 def test_load_pretrained(worlds):
     for rank_result in worlds["w2"]:
-        for tag in ("dict_s1_bf16", "file_s2_fp32"):
+        for tag in ("dict_s1_bf16", "file_s2_fp32", "dict_s3_bf16"):
             r = rank_result["pretrained"][tag]
             assert r["equal"] and r["master_equal"] and r["keys"], tag
             assert r["trains"] > 0
@@ -191,15 +210,17 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_raises_and_changes_nothing(worlds, case):
+def test_bad_input_raises_and_changes_nothing(worlds, case, stage):
     for rank, r in enumerate(worlds["w2"]):
-        res = r["bad"][case]
+        res = r["bad"][stage][case]
         assert res["error"] is not None and res["error"].startswith("CheckpointError"), (rank, res)
         for fragment in BAD[case]:
             assert fragment in res["error"], (rank, fragment, res["error"])
         assert res["changed"] == [], (rank, res["changed"])
 
 
-def test_good_checkpoint_loads_after_bad_ones(worlds):
-    assert all(r["bad"]["good_loads"] is None for r in worlds["w2"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_good_checkpoint_loads_after_bad_ones(worlds, stage):
+    assert all(r["bad"][stage]["good_loads"] is None for r in worlds["w2"])

@@ -16,7 +16,8 @@ A checkpoint is one directory:
     COMPLETE                written last: size and sha256 of every other file
 
 A piece is a range [start, start+numel) of the *flattened original parameter*, never of a
-flat buffer, so the layout does not depend on the rank count, bucket size or stage:
+flat buffer or a stage-3 unit, so the layout does not depend on the rank count, bucket
+size, stage or unit choice:
 any world size and stage reads any checkpoint by opening only the pieces that overlap
 what it owns (`safe_open(...).get_slice`), with no conversion step. Tensors are stored
 with safetensors only; nothing is pickled.
@@ -38,6 +39,12 @@ rank reads, parameter names, shapes, groups, optimizer type), read what the rank
 into memory, and agree across ranks that all of it worked, before they change a single
 tensor. A bad checkpoint therefore raises on every rank and leaves the model, the
 optimizer and the RNG as they were.
+
+[Note: trainable state comes from the optimizer]
+Trainable values and shapes are read and written through `optimizer.owned_slices()` (full
+shapes, owned ranges), never the model: at stage 3 `model.state_dict()` holds 1-D shards.
+The model gives only names, which are trainable (by identity: tied weights too) and the
+replicated tensors, full at every stage. Nothing is gathered, at stage 3 either.
 """
 from __future__ import annotations
 
@@ -136,7 +143,8 @@ def _fsync_dir(path: str) -> None:
 @dataclass
 class _ModelView:
     """The model's state_dict names, each either a trainable parameter (held by the
-    optimizer's owned slices, under its first name) or replicated (buffers, frozen params)."""
+    optimizer's owned slices, under its first name) or replicated (buffers, frozen params).
+    See [Note: trainable state comes from the optimizer]."""
 
     keys: list  # [state_dict key, "param" | "replicated", source name], in state_dict order
     replicated: dict  # source name -> tensor
@@ -543,7 +551,9 @@ def _read_for_rank(path, meta, files, reader: _Reader, view: _ModelView, model, 
     expected.update({k: list(t.shape) for k, t in view.replicated.items()})
     found = {n: None for n in meta["params"]}
     found.update({k: v["shape"] for k, v in meta["replicated"].items()})
-    for s in slices:  # shapes of trainable parameters, from the slices this rank owns
+    # Trainable shapes from the owned slices; a parameter this rank owns nothing of is checked
+    # by the ranks that own it, and the exchange makes every rank raise.
+    for s in slices:
         expected[s.name] = list(s.shape)
         if s.name in meta["params"]:
             found[s.name] = meta["params"][s.name]["shape"]
@@ -775,7 +785,7 @@ def _pretrained_keys(view: _ModelView, shapes: dict, slices: list, strict: bool,
     """For each trainable parameter, the key of `shapes` that holds it (any of its tied
     names); raises listing missing, unexpected and mis-shaped names."""
     where, expected, found = {}, {}, {}
-    slice_shapes = {s.name: list(s.shape) for s in slices}
+    slice_shapes = {s.name: list(s.shape) for s in slices}  # full shapes; see `_read_for_rank`
     for name, keys in view.aliases().items():
         key = next((k for k in keys if k in shapes), keys[0])
         where[name] = key

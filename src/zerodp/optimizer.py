@@ -214,6 +214,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for m in shard.master_tensors:
                 m.grad = None
 
+    # torch's per-rank state dict would hold only this rank's shard, keyed by positions that
+    # depend on the world size: a trap. Checkpoints go through zerodp.save / zerodp.load.
+    def state_dict(self):
+        raise RuntimeError("ZeroOptimizer holds only this rank's shard: save and restore it with "
+                           "zerodp.save(path, model, optimizer) and zerodp.load(path, model, optimizer)")
+
+    def load_state_dict(self, state_dict) -> None:
+        self.state_dict()
+
     # -- state by parameter name (checkpoints) ---------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
         """Every run of parameter elements this rank owns, by parameter name; independent of
