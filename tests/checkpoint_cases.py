@@ -359,7 +359,7 @@ def _bad_sources(root, rank):
         cases["nonexistent"] = cases.pop("nope")
     cases["other_model"] = other_path
     cases["other_optimizer"] = sgd_path
-    full = checkpoint.consolidate(good)
+    full = zerodp.consolidate(good)
     pretrained_cases = {
         "pretrained_missing": {k: v for k, v in full.items() if k != "gpt.transformer.ln_f.weight"},
         "pretrained_shape": dict(full, **{"gpt.transformer.wpe.weight": torch.zeros(3, 3)}),
@@ -415,10 +415,10 @@ def pretrained(root, rank):
                        "master": {(s.name, s.start): s.master.clone() for s in opt.owned_slices()}}
     # load_pretrained from a dict (stage 1, bf16; stage 3, bf16) and from an exported file (stage 2, fp32).
     src = os.path.join(root, "r2s2", f"step{TRAIN}")
-    full = checkpoint.consolidate(src)
+    full = zerodp.consolidate(src)
     exported = os.path.join(root, "export", "lm.safetensors")
     if rank == 0:
-        checkpoint.export(src, exported)
+        zerodp.export(src, exported)
     barrier()
     for tag, stage, precision, source in (("dict_s1_bf16", 1, "bf16", full), ("file_s2_fp32", 2, "fp32", exported),
                                           ("dict_s3_bf16", 3, "bf16", full)):

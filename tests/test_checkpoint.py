@@ -14,7 +14,6 @@ from harness import run_world
 from safetensors.torch import load_file
 
 import zerodp
-from zerodp import checkpoint
 from zerodp.models import GPT
 
 # fp32: runs at different world sizes or stages differ only in the order gloo sums the
@@ -148,7 +147,7 @@ def test_consolidate_into_plain_model(worlds):
 
 def test_export_file_loads_strict(worlds, tmp_path):
     path = worlds["w2"][0]["pretrained"]["gpt_bf16"]["path"]
-    out = checkpoint.export(path, tmp_path / "gpt.safetensors")
+    out = zerodp.export(path, tmp_path / "gpt.safetensors")
     gpt = GPT("tiny")
     gpt.load_state_dict(load_file(out), strict=True)
     sd = zerodp.consolidate(path)

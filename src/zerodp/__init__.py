@@ -4,7 +4,8 @@
     model, optimizer = zerodp.initialize(model, torch.optim.AdamW, zerodp.Config(stage=2), lr=3e-4)
 """
 from .api import initialize
-from .checkpoint import consolidate, export, latest, load, load_pretrained, save
+from .checkpoint import latest, load, save
+from .full_state import consolidate, export, load_pretrained
 from .comm import CommLedger, init_distributed
 from .config import Config, ConfigError
 from .estimator import estimate

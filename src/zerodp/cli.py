@@ -292,12 +292,7 @@ def cmd_bench(argv: list[str]) -> int:
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     import zerodp
 
-    export = getattr(zerodp, "export", None)
-    if export is None:
-        try:
-            from zerodp.checkpoint import export
-        except ImportError:
-            return fail("zerodp export", "this install has no zerodp.export (checkpoint support is missing)")
+    export = zerodp.export
     if not os.path.exists(args.checkpoint):
         raise UsageError(f"{args.checkpoint}: no such checkpoint")
     try:

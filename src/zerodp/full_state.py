@@ -1,0 +1,183 @@
+"""A plain model out, a plain model in: consolidate a sharded checkpoint into one full
+state dict (and export it as one safetensors file), and fill a sharded model from a full
+state dict, each rank reading only the elements it owns. See [Note: checkpoint layout]
+in checkpoint.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import uuid
+from collections.abc import Mapping
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .checkpoint import (
+    CheckpointError,
+    REPLICATED,
+    TMP_TAG,
+    _ModelView,
+    _Reader,
+    _describe,
+    _dtype_name,
+    _flat_range,
+    _model_view,
+    _name_mismatch,
+    _open_checkpoint,
+    _raise_if_failed,
+    _write_replicated,
+    _write_safetensors,
+    PathLike,
+)
+
+__all__ = ["consolidate", "export", "load_pretrained"]
+
+
+def _resolve_dtype(dtype, meta: dict) -> torch.dtype | None:
+    if dtype == "compute":
+        return getattr(torch, meta["compute_dtype"])
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    raise ValueError(f"dtype={dtype!r}: use a torch dtype, 'compute' (the dtype training ran in) or None")
+
+
+def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32) -> dict:
+    """The full state_dict of the model a checkpoint was saved from, with the model's own
+    names (tied weights under every name, buffers and frozen parameters included), so
+    `model.load_state_dict(sd, strict=True)` works on the plain, unwrapped model.
+
+    Runs in one process, no process group needed. dtype=torch.float32 (default) gives the
+    fp32 master weights and upcasts floating buffers; "compute" gives the weights the
+    model trained with (bf16/fp16 under mixed precision); None keeps the saved dtypes
+    (fp32 master weights, buffers as they were)."""
+    path, meta, files = _open_checkpoint(path)
+    dtype = _resolve_dtype(dtype, meta)
+    use_param = dtype is not None and _dtype_name(dtype) == meta["compute_dtype"] != "float32"
+    params, out = {}, {}
+    with _Reader(path, files) as reader:
+        for name, info in meta["params"].items():
+            numel = math.prod(info["shape"])
+            kind, read_dtype = ("param", dtype) if use_param else ("master", torch.float32)
+            t = reader.read_range(kind, name, info["pieces"], 0, numel, read_dtype).view(info["shape"])
+            params[name] = t if dtype is None else t.to(dtype)
+        replicated = {}
+        if meta["replicated"]:
+            f = reader.file(REPLICATED)
+            for k in meta["replicated"]:
+                t = f.get_tensor(k)
+                replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    for key, kind, src in meta["state_dict_keys"]:
+        out[key] = params[src] if kind == "param" else replicated[src]
+    return out
+
+
+def export(path: PathLike, out_file: PathLike, dtype: torch.dtype | str | None = torch.float32) -> str:
+    """Write `consolidate(path, dtype)` to one safetensors file (tied weights stored under
+    each name, so `safetensors.torch.load_file` + `load_state_dict(strict=True)` works)."""
+    sd = consolidate(path, dtype)
+    seen, tensors = set(), {}
+    for k, t in sd.items():
+        tensors[k] = t.clone() if id(t) in seen else t.contiguous()
+        seen.add(id(t))
+    out_file = os.path.abspath(os.fspath(out_file))
+    os.makedirs(os.path.dirname(out_file), exist_ok=True)
+    side = f"{out_file}{TMP_TAG}{uuid.uuid4().hex[:12]}"
+    try:
+        _write_safetensors(side, tensors)
+        os.replace(side, out_file)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(side)
+    return out_file
+
+
+# -- load_pretrained ----------------------------------------------------------------------
+def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | PathLike,
+                    optimizer, *, strict: bool = True) -> None:
+    """Fill a model already passed through `zerodp.initialize` from a full state_dict (a
+    mapping, or a .safetensors file such as `export` writes), each rank reading only the
+    elements it owns. A tied weight may appear under any of its names. Optimizer states
+    are left as they are (start from a fresh optimizer). With strict=True, keys the model
+    does not have are an error. Raises before changing anything, on every rank."""
+    comm = optimizer.comm
+    masters, replicated, view = [], {}, None
+    try:
+        view = _model_view(model)
+        with _FullSource(state_dict) as source:
+            where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label)
+            for s in optimizer.owned_slices():
+                if s.numel:
+                    masters.append((s, source.flat_range(where[s.name], s.start, s.numel).to(torch.float32)))
+            replicated = {k: source.tensor(k) for k in view.replicated}
+        local = {"ok": True}
+    except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
+        local = {"ok": False, "error": _describe(e)}
+    _raise_if_failed(comm.all_gather_object(local, "checkpoint"), "load_pretrained")
+    with torch.no_grad():
+        for s, value in masters:
+            s.master.copy_(value.to(s.master.device))
+        _write_replicated(replicated, view.replicated)
+    optimizer.sync_params_from_master("checkpoint")
+
+
+class _FullSource:
+    """A full state_dict given as a mapping or as a safetensors file, read by element range."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor] | PathLike):
+        self._file = None
+        if isinstance(source, Mapping):
+            self.label, self._dict = "state_dict", source
+            self.shapes = {k: list(v.shape) for k, v in source.items()}
+            return
+        self.label = os.fspath(source)
+        if not os.path.isfile(self.label):
+            raise CheckpointError(f"pretrained weights {self.label} do not exist (expected a .safetensors file)")
+        try:
+            self._file = safe_open(self.label, framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointError(f"pretrained weights {self.label} are not a safetensors file ({e})") from e
+        self.shapes = {k: self._file.get_slice(k).get_shape() for k in self._file.keys()}  # noqa: SIM118
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._file is not None:
+            self._file.__exit__(*exc)
+
+    def flat_range(self, key: str, start: int, numel: int) -> torch.Tensor:
+        if self._file is not None:
+            return _flat_range(self._file, key, self.shapes[key], start, numel)
+        return self._dict[key].detach().reshape(-1)[start: start + numel].clone()
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self._file is not None:
+            return self._file.get_tensor(key)
+        return self._dict[key].detach().clone()
+
+
+def _pretrained_keys(view: _ModelView, shapes: dict, slices: list, strict: bool, label: str) -> dict:
+    """For each trainable parameter, the key of `shapes` that holds it (any of its tied
+    names); raises listing missing, unexpected and mis-shaped names."""
+    where, expected, found = {}, {}, {}
+    slice_shapes = {s.name: list(s.shape) for s in slices}  # full shapes; see `_read_for_rank`
+    for name, keys in view.aliases().items():
+        key = next((k for k in keys if k in shapes), keys[0])
+        where[name] = key
+        expected[key] = slice_shapes.get(name, shapes.get(key))
+        if key in shapes:
+            found[key] = shapes[key]
+    for k, t in view.replicated.items():
+        expected[k] = list(t.shape)
+        if k in shapes:
+            found[k] = shapes[k]
+    known = {key for key, _, _ in view.keys}
+    if strict:
+        found.update({k: v for k, v in shapes.items() if k not in known})
+    problem = _name_mismatch(label, "pretrained", expected, found)
+    if problem:
+        raise CheckpointError(problem)
+    return where
