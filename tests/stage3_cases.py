@@ -106,6 +106,12 @@ def hard_loss(model, step, rank, dtype=torch.float32):
     return F.mse_loss(model(x[:3]).float(), y[:3]) + F.mse_loss(model(x[3:]).float(), y[3:])
 
 
+def branch_loss(model, step, rank, dtype=torch.float32):
+    """Step 2 skips a block on every rank: units run in another order than recorded."""
+    (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model).skip_block1 = step == 2
+    return hard_loss(model, step, rank, dtype)
+
+
 HARD_UNITS = (HardBlock, "Inner")
 
 
@@ -136,7 +142,7 @@ def parity(rank, world_size):
         got = full_params(model)
         want = {n: p.detach().float() for n, p in ref.named_parameters()}
         cfg2 = zerodp.Config(stage=2, mixed_precision=precision)
-        m2, *_ = train_zerodp(gpt_tiny, adamw, cfg2, rank, steps=STEPS, loss_of=gpt_loss)
+        m2, opt2, *_ = train_zerodp(gpt_tiny, adamw, cfg2, rank, steps=STEPS, loss_of=gpt_loss)
         stage2 = {n: p.detach().float() for n, p in m2.named_parameters()}
         rep = opt.memory_report()
         units = opt.stage3.units
@@ -152,6 +158,10 @@ def parity(rank, world_size):
             "unit_names": [u.name for u in units],
             "local_numel": sum(p.numel() for p in model.parameters()),
             "tied": model.lm_head.weight is model.transformer.wte.weight,
+            # The tied embedding is laid out (and reduced, and updated) once at stage 2.
+            "stage2_numel": opt2.memory_report().numel,
+            "stage2_tied": m2.lm_head.weight is m2.transformer.wte.weight,
+            "distinct_numel": sum(p.numel() for p in gpt_tiny().parameters()),
         }
     # reshard_after_forward=False: the forward's gathers stay until backward: 2Ψ.
     cfg = zerodp.Config(stage=3, unit_modules=[Block], reshard_after_forward=False)
@@ -196,6 +206,13 @@ def hard_cases(rank, world_size):
             "units": [u.name for u in opt.stage3.units],
             "tied": model.proj_out.weight is model.proj_in.weight,
         }
+    # A later step takes another branch than the recorded order: prefetch follows the record,
+    # the result still equals DDP's, and nothing hangs.
+    cfg = zerodp.Config(stage=3, unit_modules=HARD_UNITS)
+    ref, *_ = train_reference(HardNet, adamw_no_decay, torch.float32, rank, steps=STEPS, loss_of=branch_loss,
+                              find_unused_parameters=True)
+    model, opt, *_ = train_zerodp(HardNet, adamw_no_decay, cfg, rank, steps=STEPS, loss_of=branch_loss)
+    out["branch"] = rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()})
     return out
 
 

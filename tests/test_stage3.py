@@ -20,7 +20,8 @@ def test_gpt_parity_with_ddp_and_stage2(world):
             assert p["vs_ddp"] <= tol, (n, precision, p["vs_ddp"])
             # Stage 3 reduces the same gradients in the same dtype as stage 2.
             assert p["vs_stage2"] <= tol, (n, precision, p["vs_stage2"])
-            assert p["tied"]
+            assert p["tied"] and p["stage2_tied"]
+            assert p["stage2_numel"] == p["numel"] == p["distinct_numel"]
             assert p["unit_names"] == ["transformer.h.0", "transformer.h.1", "<root>"]
 
 
@@ -75,6 +76,31 @@ def test_hard_cases(world):
             assert h["eval_rel"] <= tol
             assert h["all_freed"] and h["no_grads"]
             assert h["units"] == ["blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "<root>"]
+
+
+def test_branch_taken_later_still_equals_ddp(world):
+    _, results = world
+    for r in results:
+        assert r["hard"]["branch"] <= FP32_TOL
+
+
+def test_automatic_units_by_parameter_count():
+    import torch
+
+    import zerodp
+    from zerodp.models import GPT
+    from zerodp.units import select_units
+
+    model = GPT("tiny")
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    names = [n for n, _ in select_units(model, (), block)]
+    # Each block reaches the threshold; nothing smaller does; the rest is the root's.
+    assert names == ["transformer.h.0", "transformer.h.1", ""]
+    with torch.no_grad():
+        _, opt = zerodp.initialize(model, torch.optim.SGD, zerodp.Config(stage=3, unit_min_params=block), lr=0.1)
+    assert [u.name for u in opt.stage3.units] == ["transformer.h.0", "transformer.h.1", "<root>"]
+    with pytest.raises(ValueError, match="matches no submodule"):
+        select_units(GPT("tiny"), ("NoSuchBlock",), 1)
 
 
 def test_born_sharded_and_gathered_parameters(world):
