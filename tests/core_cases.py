@@ -78,7 +78,8 @@ def mlp_loss(model, step, rank, dtype=torch.float32):
     return loss_fn(model(x.to(dtype)), y)
 
 
-def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_of=mlp_loss, **ddp_kwargs):
+def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_of=mlp_loss, set_to_none=True,
+                    **ddp_kwargs):
     """torch DDP + the same optimizer; for bf16/fp16, DDP over a low-precision copy with
     an fp32 master updated by the optimizer (the mixed-precision recipe zerodp follows)."""
     torch.manual_seed(0)
@@ -103,8 +104,8 @@ def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_
             norms.append(float(torch.nn.utils.clip_grad_norm_(
                 master_params if master_params is not None else ddp.module.parameters(), clip)))
         opt.step()
-        opt.zero_grad()
-        ddp.module.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
+        ddp.module.zero_grad(set_to_none=set_to_none)
         if master_params is not None:
             with torch.no_grad():
                 for m, c in zip(master_params, [p for p in ddp.module.parameters() if p.requires_grad]):
