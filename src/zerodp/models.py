@@ -232,7 +232,7 @@ class GPT(nn.Module):
             return logits, None
         # Softmax cross-entropy in fp32: in bf16/fp16 the log-sum-exp over the
         # vocabulary loses the precision that small loss differences need.
-        loss = F.cross_entropy(logits.float().view(b * t, -1), targets.view(b * t))
+        loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
         return logits, loss
 
     @torch.no_grad()

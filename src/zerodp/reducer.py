@@ -20,6 +20,7 @@ Where gradients live:
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,6 +31,9 @@ from .comm import Comm
 from .flat import BufferPool, FlatLayout, Piece
 
 log = logging.getLogger(__name__)
+
+# Reductions allowed to be in flight at once before the oldest is waited for.
+MAX_IN_FLIGHT = 2
 
 
 class FlatParamGroup:
@@ -147,7 +151,7 @@ class GradReducer:
         self._base_pending = {id(b): sum(1 for lst in self._param_buckets.values() if b in lst) for b in self.buckets}
         self._consumed: set = set()
         self._next = 0
-        self._handles = []
+        self._in_flight: deque = deque()
         for g in groups:
             for pi, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(g, pi))
@@ -251,6 +255,14 @@ class GradReducer:
         b.launched = True
         if not self.overlap:
             self._finish(b)
+            return
+        # Bound the buckets in flight: a finished bucket's buffer goes back to the pool at
+        # once, and at most MAX_IN_FLIGHT wait behind the wire, so the pool stays a few
+        # buckets large whatever the model size (CB).
+        self._in_flight.append(b)
+        while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0].work is None
+                                   or self._in_flight[0].work.is_completed()):
+            self._finish(self._in_flight.popleft())
 
     def _finish(self, b: _Bucket) -> None:
         if b.work is not None:
@@ -275,6 +287,7 @@ class GradReducer:
             self._launch_ready(flush=True)
             for b in self.buckets:
                 self._finish(b)
+            self._in_flight.clear()
             self.grads_ready = True
         self.micro_step += 1
 

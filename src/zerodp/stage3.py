@@ -32,6 +32,7 @@ from .config import Config
 from .flat import BufferPool
 from .materialize import has_meta, materialize
 from .optimizer import ZeroOptimizer
+from .reducer import MAX_IN_FLIGHT
 from .units import FlatUnit, UnitGroupView, UnitState, assign_params, select_units
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,16 @@ class Stage3Engine:
             work = self.units[ui].reduce_grads(self.comm, async_op=self.config.overlap_comm)
             self._works.append((ui, work))
             self._next_reduce += 1
+            # A finished reduction gives its gradient buffer back to the pool at once; at most
+            # MAX_IN_FLIGHT wait behind the wire.
+            while self._works and (len(self._works) > MAX_IN_FLIGHT or self._works[0][1] is None
+                                   or self._works[0][1].is_completed()):
+                self._finish_reduction(*self._works.pop(0))
+
+    def _finish_reduction(self, ui: int, work) -> None:
+        if work is not None:
+            work.wait()
+        self.units[ui].free_grads()
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -233,9 +244,7 @@ class Stage3Engine:
         self._launch_reductions(flush=True)
         if self.at_boundary:
             for ui, work in self._works:
-                if work is not None:
-                    work.wait()
-                self.units[ui].free_grads()
+                self._finish_reduction(ui, work)
             self._works.clear()
             self.grads_ready = True
         self.micro_step += 1
