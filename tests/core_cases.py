@@ -209,6 +209,15 @@ def special_cases(rank, world_size):
         ref, _, ref_norms = train_reference(Net, adamw_two_groups, torch.float32, rank, clip=0.05)
         model, _, _, norms, _ = train_zerodp(Net, adamw_two_groups, cfg, rank, clip=0.05)
         out[f"clip_stage{stage}"] = {"norms": norms, "ref_norms": ref_norms, "rel_diff": max_rel_diff(model, ref)}
+    # Reducing bf16 gradients in fp32 (reduce_dtype): the same result within bf16 rounding,
+    # and the stage-2 gradient shard held in fp32 (4 bytes per element).
+    for stage in (0, 1, 2):
+        cfg = zerodp.Config(stage=stage, mixed_precision="bf16", reduce_dtype="fp32", bucket_bytes=SMALL_BUCKET)
+        ref, *_ = train_reference(Net, adamw_two_groups, torch.bfloat16, rank)
+        model, opt, *_ = train_zerodp(Net, adamw_two_groups, cfg, rank)
+        rep = opt.memory_report()
+        out[f"reduce_fp32_stage{stage}"] = {"rel_diff": max_rel_diff(model, ref), "grads": rep.grads,
+                                            "padded": rep.padded_numel}
     # LR scheduler drives the returned optimizer.
     model, opt = zerodp.initialize(Net(), torch.optim.SGD, zerodp.Config(stage=1), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

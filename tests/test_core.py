@@ -112,3 +112,14 @@ def test_fp16_overflow_skips_on_every_rank(world):
         assert r["fp16"]["skipped"] == 1
         assert r["fp16"]["changed_later"]
         assert r["fp16"]["scale_end"] == 2048.0  # grew twice after 2 clean steps each
+
+
+def test_reduce_dtype_fp32(world):
+    n, results = world
+    for stage in (0, 1, 2):
+        r = results[0]["special"][f"reduce_fp32_stage{stage}"]
+        assert r["rel_diff"] <= BF16_TOL
+        # Stages 0-1 keep bf16 gradients (views autograd fills); stage 2 keeps the reduced
+        # shard in the reduce dtype.
+        expect = 2 * r["padded"] if stage < 2 else 4 * r["padded"] // n
+        assert r["grads"] == expect, (stage, r)

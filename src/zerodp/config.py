@@ -56,9 +56,10 @@ class Config:
     """fp16 with dynamic scaling: clean steps after which the scale doubles."""
 
     bucket_bytes: int = 25 * 2**20
-    """Size of one communication bucket (the paper's constant-size buffer, CB, §6.2): the
-    flat gradient/parameter buffer is split into buckets of at most this many bytes, each
-    reduced and gathered as one collective, whatever the model size."""
+    """Size of one communication bucket (the paper's constant-size buffer, CB, §6.2): at
+    stages 0-2 the flat gradient/parameter buffer is split into buckets of at most this many
+    bytes, each reduced and gathered as one collective, whatever the model size. At stage 3
+    the unit is the bucket."""
 
     overlap_comm: bool = True
     """Launch each bucket's reduction asynchronously from backward hooks as soon as it is

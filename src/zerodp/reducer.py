@@ -13,9 +13,11 @@ Where gradients live:
   autograd accumulates in place (DDP's gradient_as_bucket_view). Stage 0 all-reduces a
   segment in place; stage 1 reduce-scatters it in place, so the owned chunk holds the
   averaged gradient and the rest of the buffer is stale.
-- stage 2: parameters keep autograd's own `.grad` during accumulation; at the boundary
-  each is copied into a pooled bucket buffer and freed, and the bucket is reduce-scattered
-  into a gradient shard of `shard_numel` elements. Only buckets in flight are full-size.
+- stage 2: parameters keep autograd's own `.grad` during accumulation; at the boundary,
+  when a bucket is launched, the overlapping gradients are copied into a pooled bucket
+  buffer (a gradient is freed once all its buckets are), and the bucket is
+  reduce-scattered into a gradient shard of `shard_numel` elements. Only buckets in
+  flight hold a buffer.
 """
 from __future__ import annotations
 
@@ -149,7 +151,9 @@ class GradReducer:
                     order_key[id(b)] = max(order_key.get(id(b), -1), backward_order[id(p)])
         self.buckets.sort(key=lambda b: order_key.get(id(b), -1))
         self._base_pending = {id(b): sum(1 for lst in self._param_buckets.values() if b in lst) for b in self.buckets}
-        self._consumed: set = set()
+        self._filled: dict = {}  # stage 2: buckets filled from each parameter's gradient
+        self._bucket_params = {id(b): [pi for pi, p in enumerate(b.group.params) if b in self._param_buckets.get(id(p), ())]
+                               for b in self.buckets}
         self._next = 0
         self._in_flight: deque = deque()
         for g in groups:
@@ -161,7 +165,7 @@ class GradReducer:
     def _reset_buckets(self) -> None:
         for b in self.buckets:
             b.pending, b.launched, b.buffer, b.work = self._base_pending[id(b)], False, None, None
-        self._consumed.clear()
+        self._filled.clear()
         self._next = 0
 
     @property
@@ -187,42 +191,34 @@ class GradReducer:
             param.grad = group.grad_views[index]
         if not self.at_boundary:
             return
-        self._consume(group, index, param)
         for b in self._param_buckets[id(param)]:
             b.pending -= 1
         self._launch_ready(flush=False)
-
-    def _consume(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
-        """Stage 2: move a parameter's gradient into its buckets' buffers and free it."""
-        if id(param) in self._consumed:
-            return
-        self._consumed.add(id(param))
-        if group.grad_shard is None:
-            return
-        slot = group.layout.slots[index]
-        grad = param.grad
-        for b in self._param_buckets[id(param)]:
-            seg = group.layout.segments[b.seg_index]
-            if b.buffer is None:
-                b.buffer = self.pool.get(seg.numel, group.reduce_dtype, group.flat.device)
-                b.buffer.zero_()
-            if grad is None:
-                continue
-            lo, hi = max(slot.offset, seg.start), min(slot.offset + slot.numel, seg.end)
-            b.buffer[lo - seg.start: hi - seg.start].copy_(grad.reshape(-1)[lo - slot.offset: hi - slot.offset])
-        param.grad = None
 
     def _launch_ready(self, flush: bool) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
             if b.pending > 0 and not flush:
                 return
-            if flush and b.group.grad_shard is not None:
-                for pi, p in enumerate(b.group.params):
-                    if b in self._param_buckets.get(id(p), ()):
-                        self._consume(b.group, pi, p)
             self._launch(b)
             self._next += 1
+
+    def _fill(self, b: _Bucket) -> None:
+        """Stage 2: copy the bucket's part of each overlapping gradient into a pooled buffer,
+        taken only now so that just the buckets in flight hold one; a parameter's own
+        gradient is freed once its last bucket is filled."""
+        g = b.group
+        seg = g.layout.segments[b.seg_index]
+        b.buffer = self.pool.get(seg.numel, g.reduce_dtype, g.flat.device)
+        b.buffer.zero_()
+        for pi in self._bucket_params[id(b)]:
+            p, slot = g.params[pi], g.layout.slots[pi]
+            if p.grad is not None:
+                lo, hi = max(slot.offset, seg.start), min(slot.offset + slot.numel, seg.end)
+                b.buffer[lo - seg.start: hi - seg.start].copy_(p.grad.reshape(-1)[lo - slot.offset: hi - slot.offset])
+            self._filled[id(p)] = self._filled.get(id(p), 0) + 1
+            if self._filled[id(p)] == len(self._param_buckets[id(p)]):
+                p.grad = None
 
     def _launch(self, b: _Bucket) -> None:
         g, comm = b.group, self.comm
@@ -230,9 +226,7 @@ class GradReducer:
         chunk = g.layout.chunk(b.seg_index, g.rank)
         n = comm.world_size
         if g.grad_shard is not None:  # stage 2: bucket buffer -> gradient shard
-            if b.buffer is None:
-                b.buffer = self.pool.get(seg.numel, g.reduce_dtype, g.flat.device)
-                b.buffer.zero_()
+            self._fill(b)
             b.buffer.div_(n)
             out = g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel]
             b.work = comm.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap)
