@@ -124,7 +124,8 @@ def train_zerodp(model_fn, opt_fn, cfg, rank, steps=STEPS, clip=None, micro_batc
         total = 0.0
         for micro in range(micro_batches):
             if loss_of is not None:
-                loss = loss_of(model, step, rank)
+                loss = (loss_of(model, step, rank) if micro_batches == 1
+                        else loss_of(model, step, rank, micro=micro, micro_batches=micro_batches))
                 opt.backward(loss)
                 total += float(loss.detach())
                 continue

@@ -197,6 +197,7 @@ class Stage3Engine:
                 self.backward_order.append(ui)
             self._gather(ui, "backward", async_op=False)
             self.units[ui].wait()
+            self.units[ui].attach_grad_views()
             self._prefetch(self.backward_order, ui, "backward")
             return None
         return hook

@@ -174,13 +174,31 @@ class FlatUnit:
         return out
 
     # -- gradients -------------------------------------------------------------------------
+    def attach_grad_views(self) -> None:
+        """Before the unit's backward: make each parameter's `.grad` a view of `grad_full`,
+        so autograd accumulates into it in place (no per-parameter gradient tensors, no
+        copy), as DDP's gradient_as_bucket_view. Only when the reduce dtype is the
+        parameters' dtype; otherwise `accumulate_grads` copies."""
+        if self.empty or self.reduce_dtype != self.compute_dtype:
+            return
+        if self.grad_full is None:
+            self._new_grad_full()
+        for p, view in zip(self.params, self.layout.views(self.grad_full)):
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.add_(p.grad)
+                p.grad = view
+
     def accumulate_grads(self) -> None:
         """Move the parameters' unsharded gradients into `grad_full` and free them."""
         if self.grad_full is None:
             self._new_grad_full()
         for p, slot in zip(self.params, self.layout.slots):
             if p.grad is not None:
-                self.grad_full[slot.offset: slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                part = self.grad_full[slot.offset: slot.offset + slot.numel]
+                if p.grad.data_ptr() != part.data_ptr():  # not a view attached before backward
+                    part.add_(p.grad.reshape(-1))
                 p.grad = None
 
     def reduce_grads(self, comm: Comm, async_op: bool):
