@@ -27,6 +27,7 @@ def test_parity_with_ddp(world):
         for (stage, precision, opt), r in rank_result["parity"].items():
             tol = FP32_TOL if precision == "fp32" else BF16_TOL
             assert r["param_rel_diff"] <= tol, (n, stage, precision, opt, r["param_rel_diff"])
+            assert r["loss_diff"] <= tol, (n, stage, precision, opt, r["loss_diff"])  # losses are O(1)
 
 
 def test_state_dict_keeps_original_names(world):
