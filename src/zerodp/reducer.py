@@ -118,7 +118,6 @@ class _Bucket:
     group: FlatParamGroup
     seg_index: int
     pending: int  # parameters overlapping the segment whose gradient is not in yet
-    launched: bool = False
     buffer: Optional[torch.Tensor] = None  # reduce-dtype staging, when one is needed
     work: object = None
 
@@ -164,7 +163,7 @@ class GradReducer:
     # -- per-backward state -----------------------------------------------------------
     def _reset_buckets(self) -> None:
         for b in self.buckets:
-            b.pending, b.launched, b.buffer, b.work = self._base_pending[id(b)], False, None, None
+            b.pending, b.buffer, b.work = self._base_pending[id(b)], None, None
         self._filled.clear()
         self._next = 0
 
@@ -246,7 +245,6 @@ class GradReducer:
                 size = chunk.numel
                 local = chunk.flat_start - seg.start
                 b.work = comm.reduce_scatter(target[local: local + size], target, "backward", async_op=self.overlap)
-        b.launched = True
         if not self.overlap:
             self._finish(b)
             return
