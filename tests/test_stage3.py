@@ -141,3 +141,22 @@ def test_born_sharded_model_larger_than_a_rank():
         assert r["shard_nbytes"] == r["full_nbytes"] // 4
         # The rank holds its quarter plus the interpreter; never the whole model.
         assert r["peak_rss"] < 0.5 * r["full_nbytes"], r
+
+
+def test_born_on_meta_below_stage_3_is_materialised_whole():
+    import torch
+
+    import zerodp
+    from zerodp.models import GPT
+
+    torch.manual_seed(0)
+    eager = GPT("tiny")
+    torch.manual_seed(0)
+    cfg = zerodp.Config(stage=2)
+    with zerodp.init(cfg):
+        meta = GPT("tiny")
+    model, _ = zerodp.initialize(meta, torch.optim.SGD, cfg, lr=0.1)
+    assert not any(p.is_meta for p in model.parameters())
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert torch.equal(p, q), n
+    assert model.lm_head.weight is model.transformer.wte.weight
