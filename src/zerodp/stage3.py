@@ -66,6 +66,7 @@ class Stage3Engine:
         self._ready: set = set()
         self._in_backward: set = set()
         self._used: set = set()
+        self._live: set = set()  # units gathered since they were last seen freed
         self._works: list = []
         self._next_reduce = 0
         self._callback_queued = False
@@ -106,6 +107,7 @@ class Stage3Engine:
         if unit.state is UnitState.SHARDED:
             self._check_same_unit(f"{phase} gather of unit {unit.name}")
             unit.unshard(self.comm, phase, async_op=async_op)
+            self._live.add(ui)
             held = sum(u.full_nbytes for u in self.units if u.state is not UnitState.SHARDED)
             self.gathered_peak_nbytes = max(self.gathered_peak_nbytes, held)
 
@@ -164,8 +166,11 @@ class Stage3Engine:
         if t.layout is not torch.strided:
             return t
         ptr = t.untyped_storage().data_ptr()
-        for ui, unit in enumerate(self.units):
-            if unit.full is not None and ptr == unit.full.untyped_storage().data_ptr():
+        for ui in list(self._live):  # the few gathered units, not every unit
+            unit = self.units[ui]
+            if unit.full is None:
+                self._live.discard(ui)
+            elif ptr == unit.full.untyped_storage().data_ptr():
                 return (_UnitView, ui, t.storage_offset(), tuple(t.shape), t.stride())
         return t
 
