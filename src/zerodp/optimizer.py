@@ -8,8 +8,9 @@ the owned 1/N of every state (ZeRO, arXiv 1910.02054, §5.1). This works for any
 optimizer whose update is elementwise (all of torch.optim but LBFGS and Adafactor).
 
 Master weights: with mixed_precision="fp32" the owned chunks of the parameters are their
-own master (views, no copy); with bf16/fp16 each shard has one fp32 master tensor, and
-the gradient is upcast into its `.grad` at step time (freed by zero_grad).
+own master (views, no copy); with bf16/fp16 each shard has one contiguous fp32 master,
+and the gradient is upcast into its `.grad` at step time (freed by zero_grad). Either
+way the optimizer sees one tensor per owned piece, never one shard-sized tensor.
 """
 from __future__ import annotations
 
@@ -50,26 +51,19 @@ class _Shard:
 
     def __init__(self, storage, full_precision: bool):
         self.storage = storage
+        self.full_precision = full_precision
         if full_precision:
-            self.master_pieces = storage.owned_params()
-            self.master_tensors = list(self.master_pieces)
+            self.master_tensors = storage.owned_params()
         else:
             fp32 = storage.owned_fp32()
-            master = torch.cat([t.reshape(-1) for t in fp32]) if fp32 else torch.empty(0)
-            self.master_tensors = [master]
-            self.master_pieces, at = [], 0
-            for t in fp32:
-                self.master_pieces.append(master[at: at + t.numel()])
-                at += t.numel()
-        self.full_precision = full_precision
-        # (index into master_tensors, offset in it) of each owned piece
-        if full_precision:
-            self.piece_at = [(i, 0) for i in range(len(self.master_pieces))]
-        else:
-            self.piece_at, at = [], 0
-            for t in self.master_pieces:
-                self.piece_at.append((0, at))
-                at += t.numel()
+            # One allocation for the shard's master (MD), seen as one tensor per piece.
+            flat = torch.cat([t.reshape(-1) for t in fp32]) if fp32 else torch.empty(0)
+            self.master_tensors = list(torch.split(flat, [t.numel() for t in fp32])) if fp32 else []
+        # Each owned piece (a bucket's chunk at stages 0-2, a parameter's part at stage 3) is
+        # its own tensor in the optimizer, so the optimizer's temporaries stay piece-sized
+        # rather than shard-sized.
+        self.master_pieces = self.master_tensors
+        self.piece_at = [(i, 0) for i in range(len(self.master_tensors))]
 
 
 @dataclass
@@ -141,17 +135,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inv_scale = 1.0 / self.scaler.scale
         local_inf = False
         for shard in self._all_shards():
-            grads = shard.storage.owned_grads()
-            if shard.full_precision:
-                for m, g in zip(shard.master_tensors, grads):
-                    m.grad = g if g.dtype == torch.float32 else g.float()
-            else:
-                master = shard.master_tensors[0]
-                master.grad = torch.empty_like(master)
-                at = 0
-                for g in grads:
-                    master.grad[at: at + g.numel()].copy_(g.reshape(-1))
-                    at += g.numel()
+            for m, g in zip(shard.master_tensors, shard.storage.owned_grads()):
+                # The reduced gradient itself when it is fp32 (no copy); else an fp32 upcast.
+                m.grad = g.view(m.shape) if g.dtype == torch.float32 else g.float().view(m.shape)
             for m in shard.master_tensors:
                 if inv_scale != 1.0:
                     m.grad.mul_(inv_scale)

@@ -70,8 +70,8 @@ class FlatParamGroup:
     # -- the owned part, as the optimizer sees it -------------------------------------
     def owned_pieces(self):
         """Pieces this rank updates: the whole buffer at stage 0, its chunks otherwise."""
-        if self.stage == 0:
-            return [Piece(0, 0, self.layout.padded_numel)]
+        if self.stage == 0:  # every rank owns all of it, bucket by bucket
+            return [Piece(s.start, s.start, s.numel) for s in self.layout.segments]
         return self.layout.shard_pieces(self.rank)
 
     def owned_params(self) -> list[torch.Tensor]:
