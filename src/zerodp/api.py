@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from .comm import Comm
 from .config import Config
-from .materialize import has_meta, materialize
+from .materialize import default_device, has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .reducer import FlatParamGroup, GradReducer
 
@@ -67,6 +67,32 @@ def _cast_forward_inputs(dtype: torch.dtype):
     return hook
 
 
+@torch.no_grad()
+def replicate_from_rank0(model: nn.Module, comm: Comm, skip: set) -> None:
+    """Parameters not in `skip`, and every buffer, start from rank 0's values, as DDP does
+    at construction."""
+    for p in model.parameters():
+        if id(p) not in skip:
+            comm.broadcast(p.data, 0, "init")
+    for b in model.buffers():
+        comm.broadcast(b.data, 0, "init")
+
+
+@torch.no_grad()
+def apply_compute_dtype(model: nn.Module, dtype: torch.dtype, skip: set) -> None:
+    """Replicated tensors (parameters not in `skip`, i.e. frozen ones, and floating buffers)
+    take the compute dtype, and so do floating inputs of the model's forward."""
+    for p in model.parameters():
+        if id(p) not in skip and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for m in model.modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(m, name, b.to(dtype))
+    if dtype != torch.float32:
+        model.register_forward_pre_hook(_cast_forward_inputs(dtype), with_kwargs=True)
+
+
 def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
                process_group: Optional[Any] = None, **optimizer_kwargs) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state across the data-parallel ranks; returns (model, optimizer).
@@ -86,8 +112,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     comm = Comm(process_group)
     if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        materialize(model, device, on_param=lambda old, new: None)
+        materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
@@ -104,22 +129,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
 
         return shard_model(model, inner, named, group_indices, comm, config)
 
-    with torch.no_grad():
-        # Every rank starts from rank 0's values, as DDP does at construction.
-        for _, p in model.named_parameters():
-            comm.broadcast(p.data, 0, "init")
-        for b in model.buffers():
-            comm.broadcast(b.data, 0, "init")
-        dtype = config.compute_dtype
-        for _, p in model.named_parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for b_owner in model.modules():
-            for name, b in b_owner.named_buffers(recurse=False):
-                if b.is_floating_point():
-                    setattr(b_owner, name, b.to(dtype))
-    if dtype != torch.float32:
-        model.register_forward_pre_hook(_cast_forward_inputs(dtype), with_kwargs=True)
+    trainable = {id(p) for _, p in named}
+    replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
+    apply_compute_dtype(model, config.compute_dtype, skip=trainable)
+    dtype = config.compute_dtype
 
     # Backward finishes parameters roughly in reverse registration order; laying each group
     # out in that order lets its buckets fill one after another.

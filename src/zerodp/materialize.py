@@ -30,6 +30,11 @@ def init(config: Optional[Config] = None) -> Iterator[None]:
         yield
 
 
+def default_device() -> torch.device:
+    """Where materialised parameters go: this rank's CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 

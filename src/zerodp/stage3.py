@@ -27,10 +27,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from .api import apply_compute_dtype, replicate_from_rank0
 from .comm import Comm
 from .config import Config
 from .flat import BufferPool
-from .materialize import has_meta, materialize
+from .materialize import default_device, has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .reducer import MAX_IN_FLIGHT
 from .units import FlatUnit, UnitGroupView, UnitState, assign_params, select_units
@@ -263,18 +264,6 @@ class Stage3Engine:
         self.grads_ready = False
 
 
-def _cast_replicated(model: nn.Module, dtype: torch.dtype, sharded: set) -> None:
-    """Frozen parameters and floating buffers stay replicated, in the compute dtype."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if id(p) not in sharded and p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for m in model.modules():
-            for name, b in m.named_buffers(recurse=False):
-                if b.is_floating_point():
-                    setattr(m, name, b.to(dtype))
-
-
 def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, group_indices: list[list[int]],
                 comm: Comm, config: Config) -> tuple[nn.Module, ZeroOptimizer]:
     """Split `model` into units, shard each unit's trainable parameters, install the hooks."""
@@ -298,7 +287,7 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
     born_sharded = has_meta(model)
     if born_sharded:
         old_index = {id(p): i for i, (_, p) in enumerate(named)}
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = default_device()
 
         def on_param(old, new):
             i = old_index.get(id(old))
@@ -315,17 +304,8 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
             build(ui)
     flat_units = [built[ui] for ui in sorted(built)]
     sharded = {id(p) for u in flat_units for p in u.params}
-    with torch.no_grad():  # replicated state starts from rank 0's values, as DDP does
-        for p in model.parameters():
-            if id(p) not in sharded:
-                comm.broadcast(p.data, 0, "init")
-        for b in model.buffers():
-            comm.broadcast(b.data, 0, "init")
-    _cast_replicated(model, config.compute_dtype, sharded)
-    if config.compute_dtype != torch.float32:
-        from .api import _cast_forward_inputs
-
-        model.register_forward_pre_hook(_cast_forward_inputs(config.compute_dtype), with_kwargs=True)
+    replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
+    apply_compute_dtype(model, config.compute_dtype, skip=sharded)
     engine = Stage3Engine(flat_units, comm, config, pool)
     name_index = {n: i for i, n in enumerate(names)}
     storages = []
