@@ -31,6 +31,7 @@ from zerodp.memory import formula_bytes
 from zerodp.models import GPT, PRESETS, Block, gpt_config
 
 log = logging.getLogger("zerodp.train")
+console = logging.getLogger("zerodp.train.console")
 
 DEFAULT_STAGE = 3
 PROMPT = "LOVE, n."
@@ -107,6 +108,17 @@ def build_config(args: argparse.Namespace) -> Config:
 def setup_logging(rank: int, level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING), stream=sys.stderr,
                         format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
+    # Rank 0's report to the user (summary table, sample, files written): plain lines on
+    # stdout, apart from the rank-prefixed diagnostics on stderr.
+    console.handlers.clear()
+    console.propagate = False
+    if rank == 0:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        console.addHandler(handler)
+        console.setLevel(logging.INFO)
+    else:
+        console.addHandler(logging.NullHandler())
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
@@ -197,7 +209,7 @@ class Job:
         self.losses = [tuple(x) for x in extra.get("losses", [])]
         self.val_losses = [tuple(x) for x in extra.get("val_losses", [])]
         if self.rank == 0:
-            print(f"resumed from {path} at step {self.start_step}", flush=True)
+            console.info("resumed from %s at step %d", path, self.start_step)
 
     def save(self, step: int) -> None:
         if not self._checkpoints_available():
@@ -380,13 +392,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = job.run()
     if job.rank == 0:
         write_outputs(summary, args.out)
-        print(summary_table(summary))
+        console.info(summary_table(summary))
         if summary["sample"]:
-            print("\nsample:\n" + summary["sample"].rstrip() + "\n")
+            console.info("\nsample:\n" + summary["sample"].rstrip() + "\n")
         ckpt = f"; checkpoint {summary['checkpoint']}" if summary["checkpoint"] else ""
         if summary["checkpoint_error"]:
             ckpt = f"; NO checkpoint ({summary['checkpoint_error'][:200]})"
-        print(f"wrote {os.path.join(args.out, 'summary.json')} and summary.png{ckpt}", flush=True)
+        console.info("wrote %s and summary.png%s", os.path.join(args.out, "summary.json"), ckpt)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # An explicitly requested checkpoint that failed fails the run (after its record is written).
