@@ -60,8 +60,7 @@ def main():
             mem = optimizer.memory_report()
             print(f"step {step}: loss {loss.item():.4f}, model state {mem.model_state / 1e6:.2f} MB on this rank "
                   f"(of {world_size})", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    zerodp.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -49,8 +49,7 @@ def main():
         optimizer.zero_grad()
         if rank == 0:
             print(f"step {step}: loss {loss.item():.3f}", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    zerodp.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 from .api import initialize
 from .checkpoint import latest, load, save
 from .full_state import consolidate, export, load_pretrained
-from .comm import CommLedger, init_distributed
+from .comm import CommLedger, init_distributed, shutdown_distributed
 from .config import Config, ConfigError
 from .estimator import estimate
 from .materialize import init
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config", "ConfigError", "CommLedger", "MemoryReport", "ZeroOptimizer",
-    "init_distributed", "init", "initialize", "gathered_parameters",
+    "init_distributed", "shutdown_distributed", "init", "initialize", "gathered_parameters",
     "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
     "__version__",
 ]

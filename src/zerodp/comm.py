@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Comm", "CommLedger", "CommRecord", "init_distributed", "PHASES"]
+__all__ = ["Comm", "CommLedger", "CommRecord", "init_distributed", "shutdown_distributed", "PHASES"]
 
 # The phases a collective can belong to; "control" are scalar agreements (overflow flag,
 # gradient norm, debug checks) that the paper's volume does not count.
@@ -179,3 +179,12 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     log.info("rank %d/%d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group joined by `init_distributed`. Every rank waits for the others
+    first, so that no rank tears its connections down while a peer is still finishing its
+    last collective (with gloo that aborts the peer). A no-op in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -399,8 +399,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if summary["checkpoint_error"]:
             ckpt = f"; NO checkpoint ({summary['checkpoint_error'][:200]})"
         console.info("wrote %s and summary.png%s", os.path.join(args.out, "summary.json"), ckpt)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    zerodp.shutdown_distributed()
     # An explicitly requested checkpoint that failed fails the run (after its record is written).
     return 1 if job.ckpt_error and (args.ckpt_dir or args.ckpt_every or args.resume) else 0
 
