@@ -602,7 +602,7 @@ def _apply(meta: dict, loaded: _Loaded, optimizer) -> None:
     if meta["state_keys"]:
         optimizer.materialize_state()
     elif not any(meta["scalar_states"]):
-        optimizer.inner.state.clear()  # saved before the first step: no state yet
+        optimizer.clear_state()  # saved before the first step: no state yet
     for s, value in loaded.masters:
         s.master.copy_(value.to(s.master.device))
     # owned_slices() again: materialize_state may just have created the states.

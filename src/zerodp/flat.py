@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from . import hostmem
+
 __all__ = ["Slot", "Segment", "Piece", "FlatLayout"]
 
 
@@ -120,7 +122,7 @@ class FlatLayout:
 
     def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
         """A new padded flat buffer holding `tensors` (padding zero)."""
-        flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        flat = hostmem.empty(self.padded_numel, dtype, device)
         for slot, t in zip(self.slots, tensors):
             flat[slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
         flat[self.numel:].zero_()
@@ -149,7 +151,7 @@ class BufferPool:
         if fits:
             best = min(fits, key=lambda i: self.free[i].numel())
             return self.free.pop(best)[:numel]
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        buf = hostmem.empty(numel, dtype, device)
         self.allocated_nbytes += buf.numel() * buf.element_size()
         return buf
 

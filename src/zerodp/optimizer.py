@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from . import hostmem
 from .comm import Comm
 from .config import Config
 from .memory import MemoryReport, is_elementwise_state, optimizer_state_nbytes
@@ -56,14 +57,32 @@ class _Shard:
             self.master_tensors = storage.owned_params()
         else:
             fp32 = storage.owned_fp32()
-            # One allocation for the shard's master (MD), seen as one tensor per piece.
-            flat = torch.cat([t.reshape(-1) for t in fp32]) if fp32 else torch.empty(0)
-            self.master_tensors = list(torch.split(flat, [t.numel() for t in fp32])) if fp32 else []
+            # One long-lived allocation for the shard's master (MD), seen as one tensor per piece.
+            sizes = [t.numel() for t in fp32]
+            flat = hostmem.empty(sum(sizes), torch.float32, fp32[0].device if fp32 else "cpu")
+            self.master_tensors = list(torch.split(flat, sizes)) if fp32 else []
+            for m, t in zip(self.master_tensors, fp32):
+                m.copy_(t)
         # Each owned piece (a bucket's chunk at stages 0-2, a parameter's part at stage 3) is
         # its own tensor in the optimizer, so the optimizer's temporaries stay piece-sized
         # rather than shard-sized.
         self.master_pieces = self.master_tensors
         self.piece_at = [(i, 0) for i in range(len(self.master_tensors))]
+
+
+def _chunks(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `tensors` of at most `max_bytes` each (one tensor may exceed it)."""
+    out, run, size = [], [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if run and size + nbytes > max_bytes:
+            out.append(run)
+            run, size = [], 0
+        run.append(t)
+        size += nbytes
+    if run:
+        out.append(run)
+    return out
 
 
 @dataclass
@@ -110,6 +129,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             setattr(self, attr, OrderedDict())
         self._grads_prepared = False
         self._found_inf = False
+        self._states_rehomed = False
+        self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
         self.step_count = 0
         self.last_grad_norm = None
 
@@ -184,7 +205,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         self.step_count, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
             self.scaler.update(found_inf=True)
         else:
-            self.inner.step()
+            self._inner_step()
             self.scaler.update(found_inf=False)
             self.sync_params_from_master()
         self.step_count += 1
@@ -192,7 +213,52 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._found_inf = False
         self.grad_sync.after_step()
         self.comm.ledger.end_step()
+        if self._on_cpu:  # see [Note: long-lived host buffers]
+            hostmem.release_free_heap()
         return None
+
+    def _inner_step(self) -> None:
+        """The user's optimizer steps every owned piece once, a bucket's worth at a time.
+
+        A foreach optimizer (torch's default) allocates its temporaries for every tensor
+        of a call at once: AdamW over the whole shard holds about two shard-sized fp32
+        temporaries (Ψ/N elements each). Stepping `bucket_bytes` of master at a time keeps
+        them bucket-sized. Each piece is stepped exactly once per step and the update is
+        elementwise, so the result is the same as one call."""
+        groups = self.inner.param_groups
+        everything = [g["params"] for g in groups]
+        try:
+            for gi, params in enumerate(everything):
+                for chunk in _chunks(params, self.config.bucket_bytes):
+                    for gj, g in enumerate(groups):
+                        g["params"] = chunk if gj == gi else []
+                    self.inner.step()
+        finally:
+            for g, params in zip(groups, everything):
+                g["params"] = params
+        if not self._states_rehomed:
+            self._rehome_states()
+
+    def _rehome_states(self) -> None:
+        """Once the optimizer has created its per-element states (lazily, in its first step,
+        one small tensor per piece, in the C heap), move them into one long-lived buffer per
+        shard and state: [Note: long-lived host buffers] in hostmem.py."""
+        self._states_rehomed = True
+        for shard in self._all_shards():
+            by_key: dict = {}
+            for t in shard.master_tensors:
+                for k, v in self.inner.state.get(t, {}).items():
+                    if is_elementwise_state(v, t):
+                        by_key.setdefault((k, v.dtype, v.device), []).append(t)
+            for (k, dtype, device), owners in by_key.items():
+                flat = hostmem.empty(sum(t.numel() for t in owners), dtype, device)
+                at = 0
+                for t in owners:
+                    old = self.inner.state[t][k]
+                    new = flat[at: at + old.numel()].view_as(old)
+                    new.copy_(old)
+                    self.inner.state[t][k] = new
+                    at += old.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for shard in self._all_shards():
@@ -263,13 +329,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in self.inner.param_groups:
             g["lr"] = 0.0
         try:
-            self.inner.step()
+            self._inner_step()
         finally:
             for g, lr in zip(self.inner.param_groups, saved_lr):
                 g["lr"] = lr
             for s in self._all_shards():
                 for t in s.master_tensors:
                     t.grad = None
+
+    def clear_state(self) -> None:
+        """Drop every optimizer state, as before the first step."""
+        self.inner.state.clear()
+        self._states_rehomed = False
 
     @torch.no_grad()
     def load_scalar_states(self, scalars: list[dict]) -> None:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from . import hostmem
 from .comm import Comm
 from .flat import BufferPool, FlatLayout, Piece
 
@@ -50,7 +51,7 @@ class FlatParamGroup:
         self.layout = FlatLayout([p.shape for p in params], comm.world_size, bucket_numel)
         self.reduce_dtype = reduce_dtype
         fp32 = self.layout.flatten(params, torch.float32, device)
-        self.flat = fp32 if compute_dtype == torch.float32 else fp32.to(compute_dtype)
+        self.flat = fp32 if compute_dtype == torch.float32 else hostmem.copy_of(fp32, compute_dtype)
         # The fp32 originals are kept only until the optimizer has built its master shard,
         # so the master starts from the exact initial values, not their bf16/fp16 rounding.
         self._initial_fp32: Optional[torch.Tensor] = None if self.flat is fp32 else fp32
@@ -58,14 +59,14 @@ class FlatParamGroup:
             p.data = view
         shard_numel = self.layout.shard_numel
         if stage < 2:
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.grad_flat = hostmem.zeros(self.layout.padded_numel, compute_dtype, device)
             self.grad_views = self.layout.views(self.grad_flat)
             for p, g in zip(params, self.grad_views):
                 p.grad = g
             self.grad_shard = None
         else:
             self.grad_flat, self.grad_views = None, None
-            self.grad_shard = torch.zeros(shard_numel, dtype=reduce_dtype, device=device)
+            self.grad_shard = hostmem.zeros(shard_numel, reduce_dtype, device)
 
     # -- the owned part, as the optimizer sees it -------------------------------------
     def owned_pieces(self):

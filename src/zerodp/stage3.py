@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from . import hostmem
 from .api import apply_compute_dtype, replicate_from_rank0
 from .comm import Comm
 from .config import Config
@@ -34,7 +35,7 @@ from .flat import BufferPool
 from .materialize import default_device, has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .reducer import MAX_IN_FLIGHT
-from .units import FlatUnit, UnitGroupView, UnitState, assign_params, select_units
+from .units import FlatUnit, UnitGroupView, UnitState, assign_params, encloses, select_units
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Stage3Engine:
         # Reduce order: children finish backward before the units registered before them.
         self.reduce_order = list(reversed(range(self.root))) + [self.root]
         self.gathered_peak_nbytes = 0
+        self._on_cpu = units[-1].shard.device.type == "cpu"
         for ui, unit in enumerate(units):
             unit.module.register_forward_pre_hook(self._make_pre_forward(ui))
             # always_call: the root's hook also ends a forward that raised (saved-tensor hooks).
@@ -218,9 +220,11 @@ class Stage3Engine:
 
     def _unit_done(self, ui: int) -> None:
         unit = self.units[ui]
+        unit.reshard()  # first, so that the gradient buffer can reuse the parameters' pooled buffer
         unit.accumulate_grads()
-        unit.reshard()
         self._ready.add(ui)
+        if self._on_cpu:  # the unit's activations were just freed: [Note: long-lived host buffers]
+            hostmem.release_free_heap()
 
     def _launch_reductions(self, flush: bool) -> None:
         if not self.at_boundary:
@@ -303,6 +307,8 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
         if (idx or ui == len(units) - 1) and ui not in built:
             build(ui)
     flat_units = [built[ui] for ui in sorted(built)]
+    for u in flat_units:
+        u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
     sharded = {id(p) for u in flat_units for p in u.params}
     replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
     apply_compute_dtype(model, config.compute_dtype, skip=sharded)

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from . import hostmem
 from .comm import Comm
 from .flat import BufferPool, FlatLayout, Piece
 
@@ -61,7 +62,7 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
     return units + [("", model)]
 
 
-def _contains(unit_name: str, module_name: str) -> bool:
+def encloses(unit_name: str, module_name: str) -> bool:
     return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
 
 
@@ -75,7 +76,7 @@ def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]],
     index = {id(p): i for i, (_, p) in enumerate(trainable)}
 
     def innermost(module_name: str) -> int:
-        return max((ui for ui, un in enumerate(unit_names) if _contains(un, module_name)),
+        return max((ui for ui, un in enumerate(unit_names) if encloses(un, module_name)),
                    key=lambda ui: len(unit_names[ui]) + (ui != len(units) - 1))
 
     homes: dict[int, set] = {}
@@ -86,7 +87,7 @@ def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]],
     result: list[list[int]] = [[] for _ in units]
     for pid, uis in homes.items():
         enclosing = [ui for ui, un in enumerate(unit_names)
-                     if all(_contains(un, unit_names[v]) for v in uis)]
+                     if all(encloses(un, unit_names[v]) for v in uis)]
         best = max(enclosing, key=lambda ui: len(unit_names[ui]) + (ui != len(units) - 1))
         result[best].append(index[pid])
     for r in result:
@@ -115,8 +116,9 @@ class FlatUnit:
             comm.broadcast(full_fp32, 0, "init")
         chunk = self.layout.chunk(0, self.rank)
         own = full_fp32[chunk.flat_start: chunk.flat_start + chunk.numel]
-        self._initial_fp32: Optional[torch.Tensor] = own.clone() if compute_dtype != torch.float32 else None
-        self.shard = own.to(compute_dtype).clone()
+        # Long-lived, so outside the C heap: [Note: long-lived host buffers] in hostmem.py.
+        self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
+        self.shard = hostmem.copy_of(own, compute_dtype)
         device = self.shard.device
         self.full: Optional[torch.Tensor] = None  # the gathered buffer, from the pool, while in use
         self.full_nbytes = self.layout.padded_numel * self.shard.element_size()
@@ -124,6 +126,11 @@ class FlatUnit:
         self.grad_shard: Optional[torch.Tensor] = None
         self.grad_full: Optional[torch.Tensor] = None  # accumulated unsharded gradients, during backward
         self.pool = pool
+        # An outer unit (one enclosing other units, e.g. the root holding a tied embedding
+        # and output head) gets gradients at both ends of backward; a gradient buffer
+        # attached at its start would be held through the whole backward, so its
+        # gradients are copied in when it is done instead (`accumulate_grads`).
+        self.outer = False
         self.work = None
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
@@ -178,8 +185,8 @@ class FlatUnit:
         """Before the unit's backward: make each parameter's `.grad` a view of `grad_full`,
         so autograd accumulates into it in place (no per-parameter gradient tensors, no
         copy), as DDP's gradient_as_bucket_view. Only when the reduce dtype is the
-        parameters' dtype; otherwise `accumulate_grads` copies."""
-        if self.empty or self.reduce_dtype != self.compute_dtype:
+        parameters' dtype and the unit is not outer; otherwise `accumulate_grads` copies."""
+        if self.empty or self.outer or self.reduce_dtype != self.compute_dtype:
             return
         if self.grad_full is None:
             self._new_grad_full()
@@ -212,7 +219,7 @@ class FlatUnit:
 
     def ensure_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.shard.device)
+            self.grad_shard = hostmem.zeros(self.layout.shard_numel, self.reduce_dtype, self.shard.device)
         return self.grad_shard
 
     def _new_grad_full(self) -> None:
