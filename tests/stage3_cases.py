@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import zerodp
 from core_cases import max_rel_diff, train_reference, train_zerodp
 from zerodp.memory import formula_bytes
-from zerodp.models import GPT, Block
+from zerodp.models import GPT, Block, GPTConfig
 from zerodp.units import UnitState
 
 STEPS = 4
@@ -212,6 +212,7 @@ def hard_cases(rank, world_size):
             # Buffers stay replicated, full and updated in place by forward.
             "buffer_ok": tuple(model.blocks[0].running.shape) == (8,) and bool(model.blocks[0].running.abs().sum() > 0),
             "units": [u.name for u in opt.stage3.units],
+            "outer": [u.outer for u in opt.stage3.units],
             "tied": model.proj_out.weight is model.proj_in.weight,
         }
     # A later step takes another branch than the recorded order: prefetch follows the record,
@@ -265,9 +266,29 @@ def debug_divergence(rank, world_size):
     return None
 
 
+def outer_unit_buffers(rank, world_size):
+    """A GPT whose root (a large tied embedding) dwarfs its blocks: the root's gradients
+    come at both ends of backward, so they are taken when it is done, into the buffer its
+    gathered parameters just gave back, rather than a second root-sized buffer held
+    through the whole backward."""
+    big_vocab = lambda: GPT(GPTConfig(vocab_size=4096, block_size=16, n_layer=2, n_head=2, n_embd=32))  # noqa: E731
+
+    def loss_of(model, step, rank, dtype=torch.float32):
+        x = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(100 * step + rank))
+        return model(x, x)[1]
+
+    cfg = zerodp.Config(stage=3, unit_modules=[Block])
+    ref, *_ = train_reference(big_vocab, adamw, torch.float32, rank, steps=2, loss_of=loss_of)
+    model, opt, *_ = train_zerodp(big_vocab, adamw, cfg, rank, steps=2, loss_of=loss_of)
+    units = opt.stage3.units
+    return {"vs_ddp": rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()}),
+            "outer": [u.outer for u in units], "pool_nbytes": opt.stage3.pool.allocated_nbytes,
+            "root_nbytes": units[-1].full_nbytes, "max_unit_nbytes": max(u.full_nbytes for u in units[:-1])}
+
+
 def stage3_world(rank, world_size):
     out = {"parity": parity(rank, world_size), "hard": hard_cases(rank, world_size),
-           "gathered": gathered_and_born(rank, world_size)}
+           "gathered": gathered_and_born(rank, world_size), "outer": outer_unit_buffers(rank, world_size)}
     if world_size > 1:
         out["debug"] = debug_divergence(rank, world_size)
     return out

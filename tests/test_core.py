@@ -1,7 +1,7 @@
 """Stages 0-2 against torch DDP, in one spawned world per world size (cases: core_cases.py)."""
 import pytest
 
-from core_cases import Net, core_world
+from core_cases import SMALL_BUCKET, Net, core_world
 from harness import run_world
 
 # Errors are |a-b| / (1 + |b|) per element (core_cases.max_rel_diff).
@@ -124,3 +124,15 @@ def test_reduce_dtype_fp32(world):
         # shard in the reduce dtype.
         expect = 2 * r["padded"] if stage < 2 else 4 * r["padded"] // n
         assert r["grads"] == expect, (stage, r)
+
+
+def test_optimizer_steps_a_bucket_at_a_time_with_contiguous_states(world):
+    n, results = world
+    for r in results:
+        c = r["special"]["chunked_step"]
+        # Parity with DDP at this bucket size is test_parity_with_ddp's; here: it really is
+        # split (at least one call per SMALL_BUCKET bytes of master) and no piece is stepped twice.
+        assert -(-c["master_bytes"] // SMALL_BUCKET) <= c["inner_calls"] <= c["pieces"], c
+        if n <= 2:  # N=4's shard (43 elements) fits one bucket
+            assert c["inner_calls"] > 1
+        assert c["state_storages"] == {"exp_avg": c["shards"], "exp_avg_sq": c["shards"]}, c

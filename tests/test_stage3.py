@@ -55,6 +55,18 @@ def test_gathered_peak_bounded_by_units_in_flight(world):
         assert p["peak"] > p["root_nbytes"]  # a block really was gathered with the root
 
 
+def test_outer_unit_takes_gradients_into_its_parameter_buffer(world):
+    n, results = world
+    for r in results:
+        o = r["outer"]
+        assert o["vs_ddp"] <= FP32_TOL, (n, o["vs_ddp"])
+        assert o["outer"] == [False, False, True]  # the root encloses the blocks
+        # One root-sized buffer serves the root's gathered parameters and then its
+        # gradients; blocks add at most a few of their own (gather, prefetch, reduce).
+        assert o["root_nbytes"] > 10 * o["max_unit_nbytes"]
+        assert o["root_nbytes"] <= o["pool_nbytes"] < 2 * o["root_nbytes"], o
+
+
 def test_comm_volume_three_psi(world):
     _, results = world
     p = results[0]["parity"][("gpt", "fp32")]
@@ -76,6 +88,7 @@ def test_hard_cases(world):
             assert h["eval_rel"] <= tol
             assert h["all_freed"] and h["no_grads"]
             assert h["units"] == ["blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "<root>"]
+            assert h["outer"] == [True, False, True, False, True]  # nested: gradients taken at the end
 
 
 def test_accumulation_equals_large_batch(world):

@@ -94,6 +94,10 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        # gloo's single-tensor all-gather and reduce-scatter are slower than its list forms
+        # (measured on 28 MB, N=2, CPU: reduce-scatter 33 vs 24 ms; a 124M GPT's stage-3 step
+        # 4.8-5.2 s vs 4.4-4.6 s); NCCL's single-tensor forms are its fast ones.
+        self._list_collectives = self.distributed and dist.get_backend(group) == "gloo"
 
     # A single process needs no communication; these shortcuts keep world size 1 free of
     # a process group while recording the same volume (0 moved between ranks either way).
@@ -113,6 +117,9 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
+        if self._list_collectives:
+            return dist.reduce_scatter(output, list(input.chunk(self.world_size)), group=self.group,
+                                       async_op=async_op)
         return _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
@@ -125,6 +132,8 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
+        if self._list_collectives:
+            return dist.all_gather(list(output.chunk(self.world_size)), input, group=self.group, async_op=async_op)
         return _all_gather_single(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:

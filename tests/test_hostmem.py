@@ -1,0 +1,61 @@
+"""Long-lived buffers outside the C heap (zerodp.hostmem)."""
+import gc
+
+import torch
+
+from zerodp import hostmem
+
+MIB = 2**20
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_cpu_buffer_is_zero_and_returns_its_pages_when_the_last_view_dies():
+    n = 64 * MIB // 4
+    buf = hostmem.empty(n, torch.float32, "cpu")
+    assert buf.shape == (n,) and buf.dtype == torch.float32 and not buf.any()
+    before = rss_bytes()
+    buf.fill_(1.0)
+    touched = rss_bytes()
+    assert touched - before >= 60 * MIB
+    view = buf[10:20]
+    del buf
+    gc.collect()
+    assert rss_bytes() >= touched - 4 * MIB  # a view keeps the mapping
+    assert float(view.sum()) == 10.0
+    del view
+    gc.collect()
+    # Its own mapping: unmapped at once, whatever the C heap holds around it.
+    assert rss_bytes() <= touched - 60 * MIB
+
+
+def test_zeros_and_copy_of():
+    z = hostmem.zeros(1000, torch.bfloat16, "cpu")
+    assert z.dtype == torch.bfloat16 and not z.any()
+    src = torch.randn(3, 5)
+    c = hostmem.copy_of(src)
+    assert c.shape == (15,) and torch.equal(c, src.reshape(-1))
+    assert c.data_ptr() != src.data_ptr()
+    h = hostmem.copy_of(src, torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and torch.equal(h, src.reshape(-1).to(torch.bfloat16))
+    assert hostmem.empty(0, torch.float32, "cpu").numel() == 0
+
+
+def test_other_devices_use_torch_allocator():
+    t = hostmem.zeros(8, torch.float32, "meta")
+    assert t.device.type == "meta" and t.shape == (8,)
+
+
+def test_release_free_heap_keeps_live_tensors():
+    keep = [torch.randn(256, 1024) for _ in range(8)]
+    garbage = [torch.randn(256, 1024) for _ in range(8)]
+    expect = [t.clone() for t in keep]
+    del garbage
+    hostmem.release_free_heap()
+    assert all(torch.equal(a, b) for a, b in zip(keep, expect))
