@@ -244,6 +244,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         one small tensor per piece, in the C heap), move them into one long-lived buffer per
         shard and state: [Note: long-lived host buffers] in hostmem.py."""
         self._states_rehomed = True
+        since_release = 0
         for shard in self._all_shards():
             by_key: dict = {}
             for t in shard.master_tensors:
@@ -257,8 +258,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     old = self.inner.state[t][k]
                     new = flat[at: at + old.numel()].view_as(old)
                     new.copy_(old)
-                    self.inner.state[t][k] = new
+                    self.inner.state[t][k] = new  # the heap copy is freed here
                     at += old.numel()
+                    since_release += old.numel() * old.element_size()
+                    # Hand the freed heap pages back as we go, so the move never holds
+                    # both copies of the states at once.
+                    if self._on_cpu and since_release >= self.config.bucket_bytes:
+                        hostmem.release_free_heap()
+                        since_release = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for shard in self._all_shards():
