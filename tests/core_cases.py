@@ -232,14 +232,16 @@ def special_cases(rank, world_size):
     # bucket-sized), and after the first step its states live in one buffer per shard and key.
     cfg = zerodp.Config(stage=2, bucket_bytes=SMALL_BUCKET)
     model, opt, *_ = train_zerodp(Net, lambda ps: torch.optim.AdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
-    calls = []
+    calls, outer_calls = [], []
     opt.inner.register_step_post_hook(lambda *args: calls.append(1))
+    opt.register_step_pre_hook(lambda *args: outer_calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: outer_calls.append("post"))
     x, y = batch(1, rank)
     opt.backward(loss_fn(model(x), y))
     opt.step()
     masters = [t for g in opt.param_groups for t in g["params"]]
     out["chunked_step"] = {
-        "inner_calls": len(calls), "pieces": len(masters),
+        "inner_calls": len(calls), "pieces": len(masters), "hooks": outer_calls,
         "master_bytes": sum(t.numel() * t.element_size() for t in masters),
         "state_storages": {k: len({opt.state[t][k].untyped_storage().data_ptr() for t in masters})
                            for k in ("exp_avg", "exp_avg_sq")},

@@ -133,6 +133,8 @@ def test_optimizer_steps_a_bucket_at_a_time_with_contiguous_states(world):
         # Parity with DDP at this bucket size is test_parity_with_ddp's; here: it really is
         # split (at least one call per SMALL_BUCKET bytes of master) and no piece is stepped twice.
         assert -(-c["master_bytes"] // SMALL_BUCKET) <= c["inner_calls"] <= c["pieces"], c
+        # Hooks on the returned optimizer run once per step, as on any torch optimizer.
+        assert c["hooks"] == ["pre", "post"]
         if n <= 2:  # N=4's shard (43 elements) fits one bucket
             assert c["inner_calls"] > 1
         assert c["state_storages"] == {"exp_avg": c["shards"], "exp_avg_sq": c["shards"]}, c

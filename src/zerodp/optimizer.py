@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import hostmem
 from .comm import Comm
@@ -199,6 +200,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward before step()")
+        # Step hooks (torch.optim's register_step_pre_hook / _post_hook, global and this
+        # optimizer's) run once per step, as on any torch optimizer.
+        for hook in [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()]:
+            hook(self, (), {})
         self._prepare_grads()
         if self._found_inf:
             log.warning("rank %d: inf/nan gradient, skipping step %d (loss scale %g -> %g)", self.comm.rank,
@@ -215,6 +220,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.ledger.end_step()
         if self._on_cpu:  # see [Note: long-lived host buffers]
             hostmem.release_free_heap()
+        for hook in [*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]:
+            hook(self, (), {})
         return None
 
     def _inner_step(self) -> None:
