@@ -29,7 +29,7 @@ def empty(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A 1-D tensor for a buffer that lives for many steps (contents undefined on
     accelerators; zero on the CPU, where anonymous pages start zeroed)."""
     device = torch.device(device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.empty(numel, dtype=dtype, device=device)
     # Private, so ordinary process memory (shared anonymous memory would be shmem). The
