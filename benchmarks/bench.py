@@ -281,6 +281,20 @@ def launch(script: Path, worker_args: list[str], timeout: float, log_path: Path)
     return rc, out[-3000:]
 
 
+def run_variant(script: Path, worker_args: list[str], timeout: float, results: Path,
+                log_path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """Launch one variant; (its JSON record, None) if it appended one to `results`, else
+    (None, a one-line reason taken from its output)."""
+    before = len(results.read_text().splitlines()) if results.exists() else 0
+    rc, tail = launch(script, worker_args, timeout, log_path)
+    lines = results.read_text().splitlines() if results.exists() else []
+    if rc == 0 and len(lines) > before:
+        return json.loads(lines[-1]), None
+    err = next((l.strip() for l in reversed(tail.splitlines()) if "Error" in l or "timed out" in l),
+               f"exit code {rc}")
+    return None, err
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}" if a is not None and b else "—"
 
@@ -347,16 +361,12 @@ def parent(args) -> None:
             worker_args = ["--variant", variant, "--model", model, "--steps", str(args.steps),
                            "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
                            "--results", str(results), "--timeout", str(args.timeout)]
-            before = sum(1 for _ in open(results)) if results.exists() else 0
-            rc, tail = launch(script, worker_args, args.timeout, log_path)
-            lines = open(results).read().splitlines() if results.exists() else []
-            if rc != 0 or len(lines) == before:
-                err = next((l.strip() for l in reversed(tail.splitlines())
-                            if "Error" in l or "timed out" in l), f"exit code {rc}")
+            record, err = run_variant(script, worker_args, args.timeout, results, log_path)
+            if err is not None:
                 failures[variant] = err[:200].replace("|", "/")
                 print(f"[bench] {model} {variant} FAILED ({err}); see {log_path}", flush=True)
             else:
-                records[variant] = json.loads(lines[-1])
+                records[variant] = record
                 print(f"[bench] {model} {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
         tables.append(render_table(model, records, failures))
 

@@ -204,19 +204,15 @@ def parent(args) -> None:
     records, failures = {}, {}
     try:
         for variant in args.variants:
-            before = len(results.read_text().splitlines()) if results.exists() else 0
             worker_args = ["--variant", variant, "--model", args.model, "--repeats", str(args.repeats),
                            "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
                            "--dir", ckpt_dir, "--results", str(results), "--timeout", str(args.timeout)]
-            rc, tail = bench.launch(script, worker_args, args.timeout, log_path)
-            lines = results.read_text().splitlines() if results.exists() else []
-            if rc != 0 or len(lines) == before:
-                err = next((l.strip() for l in reversed(tail.splitlines())
-                            if "Error" in l or "timed out" in l), f"exit code {rc}")
+            record, err = bench.run_variant(script, worker_args, args.timeout, results, log_path)
+            if err is not None:
                 failures[variant] = err[:200].replace("|", "/")
                 print(f"[bench_checkpoint] {variant} FAILED ({err}); see {log_path}", flush=True)
             else:
-                records[variant] = json.loads(lines[-1])
+                records[variant] = record
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     import torch
