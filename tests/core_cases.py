@@ -10,6 +10,7 @@ import copy
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import zerodp
 from zerodp.memory import formula_bytes
@@ -55,6 +56,16 @@ def adamw_two_groups(params):
     ], lr=1e-2)
 
 
+class CountingAdamW(torch.optim.AdamW):
+    """AdamW that counts the calls of its step."""
+
+    calls: list = []
+
+    def step(self, closure=None):
+        CountingAdamW.calls.append(1)
+        return super().step(closure)
+
+
 def sgd_momentum(params):
     return torch.optim.SGD(list(params), lr=0.05, momentum=0.9)
 
@@ -89,7 +100,10 @@ def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_
         ddp, master_params = DDP(model, **ddp_kwargs), None
         opt = opt_fn(model.parameters())
     else:
-        compute = copy.deepcopy(model).to(dtype)
+        compute = copy.deepcopy(model)
+        with torch.no_grad():  # parameters take the compute dtype, buffers keep theirs
+            for p in compute.parameters():
+                p.data = p.data.to(dtype)
         ddp = DDP(compute, **ddp_kwargs)
         master_params = [p for p in model.parameters() if p.requires_grad]
         opt = opt_fn(master_params)
@@ -198,12 +212,16 @@ def special_cases(rank, world_size):
         ref, _, _ = train_reference(Tiny, sgd_momentum, torch.float32, rank)
         model, *_ = train_zerodp(Tiny, sgd_momentum, cfg, rank)
         out[f"tiny_stage{stage}"] = max_rel_diff(model, ref)
-    # Accumulation over 2 micro-batches equals one step on the whole batch.
-    for stage in (0, 1, 2):
-        cfg = zerodp.Config(stage=stage, grad_accumulation_steps=2, bucket_bytes=SMALL_BUCKET)
+    # Accumulation over 2 micro-batches equals one step on the whole batch; stage 2 either
+    # reduces each micro-batch (default) or keeps unsharded gradients until the boundary.
+    for stage, each in ((0, True), (1, True), (2, True), (2, False)):
+        cfg = zerodp.Config(stage=stage, grad_accumulation_steps=2, bucket_bytes=SMALL_BUCKET,
+                            reduce_each_micro_batch=each)
         ref, *_ = train_reference(Net, adamw_two_groups, torch.float32, rank)
         model, opt, _, _, volumes = train_zerodp(Net, adamw_two_groups, cfg, rank, micro_batches=2)
-        out[f"accum_stage{stage}"] = {"rel_diff": max_rel_diff(model, ref), "volume": volumes[-1]["volume_numel"]}
+        key = f"accum_stage{stage}" + ("" if each else "_no_sync")
+        out[key] = {"rel_diff": max_rel_diff(model, ref), "volume": volumes[-1]["volume_numel"],
+                    "by_op": volumes[-1]["by_op"]}
     # Clipping: the same total norm as clip_grad_norm_ on DDP, and the same parameters.
     for stage in (0, 1, 2):
         cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET)
@@ -231,14 +249,24 @@ def special_cases(rank, world_size):
     # The user's optimizer steps a bucket's worth of master at a time (its temporaries stay
     # bucket-sized), and after the first step its states live in one buffer per shard and key.
     cfg = zerodp.Config(stage=2, bucket_bytes=SMALL_BUCKET)
-    model, opt, *_ = train_zerodp(Net, lambda ps: torch.optim.AdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
-    calls, outer_calls = [], []
-    opt.inner.register_step_post_hook(lambda *args: calls.append(1))
-    opt.register_step_pre_hook(lambda *args: outer_calls.append("pre"))
-    opt.register_step_post_hook(lambda *args: outer_calls.append("post"))
+    model, opt, *_ = train_zerodp(Net, lambda ps: CountingAdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
+    CountingAdamW.calls.clear()
     x, y = batch(1, rank)
     opt.backward(loss_fn(model(x), y))
     opt.step()
+    calls = list(CountingAdamW.calls)
+    # Step hooks, global ones too, run once per step however many buckets the step takes.
+    model, opt, *_ = train_zerodp(Net, lambda ps: torch.optim.AdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
+    outer_calls = []
+    handles = [opt.register_step_pre_hook(lambda *args: outer_calls.append("pre")),
+               opt.register_step_post_hook(lambda *args: outer_calls.append("post")),
+               register_optimizer_step_pre_hook(lambda *args: outer_calls.append("global pre")),
+               register_optimizer_step_post_hook(lambda *args: outer_calls.append("global post"))]
+    x, y = batch(1, rank)
+    opt.backward(loss_fn(model(x), y))
+    opt.step()
+    for h in handles:
+        h.remove()
     masters = [t for g in opt.param_groups for t in g["params"]]
     out["chunked_step"] = {
         "inner_calls": len(calls), "pieces": len(masters), "hooks": outer_calls,

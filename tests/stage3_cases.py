@@ -163,14 +163,17 @@ def parity(rank, world_size):
             "stage2_tied": m2.lm_head.weight is m2.transformer.wte.weight,
             "distinct_numel": sum(p.numel() for p in gpt_tiny().parameters()),
         }
-    # Accumulation over 2 micro-batches equals one step on both, and communicates once.
-    cfg = zerodp.Config(stage=3, unit_modules=[Block], grad_accumulation_steps=2)
+    # Accumulation over 2 micro-batches equals one step on both; by default each micro-batch
+    # is reduce-scattered into the shard, with reduce_each_micro_batch=False only the last.
     ref, *_ = train_reference(gpt_tiny, adamw, torch.float32, rank, steps=STEPS, loss_of=gpt_loss)
-    model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=STEPS, loss_of=gpt_loss,
-                                             micro_batches=2)
-    out["accumulation"] = {"vs_ddp": rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()}),
-                           "reduce_scatter": volumes[-1]["by_op"].get("reduce_scatter/backward"),
-                           "padded": opt.memory_report().padded_numel}
+    for each in (True, False):
+        cfg = zerodp.Config(stage=3, unit_modules=[Block], grad_accumulation_steps=2, reduce_each_micro_batch=each)
+        model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=STEPS, loss_of=gpt_loss,
+                                                 micro_batches=2)
+        out["accumulation" if each else "accumulation_no_sync"] = {
+            "vs_ddp": rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()}),
+            "reduce_scatter": volumes[-1]["by_op"].get("reduce_scatter/backward"),
+            "padded": opt.memory_report().padded_numel}
     # reshard_after_forward=False: the forward's gathers stay until backward: 2Ψ.
     cfg = zerodp.Config(stage=3, unit_modules=[Block], reshard_after_forward=False)
     model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=2, loss_of=gpt_loss)

@@ -83,10 +83,15 @@ def test_model_smaller_than_world(world):
 def test_accumulation_equals_large_batch(world):
     n, results = world
     padded = -(-171 // n) * n
-    for stage in (0, 1, 2):
-        r = results[0]["special"][f"accum_stage{stage}"]
-        assert r["rel_diff"] <= FP32_TOL, (stage, r)
-        assert r["volume"] == 2 * padded  # communication only at the boundary
+    for key in ("accum_stage0", "accum_stage1", "accum_stage2", "accum_stage2_no_sync"):
+        r = results[0]["special"][key]
+        assert r["rel_diff"] <= FP32_TOL, (key, r)
+    # Stages 0-1 (and stage 2 with reduce_each_micro_batch=False) communicate only at the
+    # boundary; stage 2 reduce-scatters each of the 2 micro-batches into the shard.
+    for key in ("accum_stage0", "accum_stage1", "accum_stage2_no_sync"):
+        assert results[0]["special"][key]["volume"] == 2 * padded, key
+    assert results[0]["special"]["accum_stage2"]["by_op"] == {"reduce_scatter/backward": 2 * padded,
+                                                               "all_gather/step": padded}
 
 
 def test_clip_grad_norm_equals_ddp(world):
@@ -134,7 +139,7 @@ def test_optimizer_steps_a_bucket_at_a_time_with_contiguous_states(world):
         # split (at least one call per SMALL_BUCKET bytes of master) and no piece is stepped twice.
         assert -(-c["master_bytes"] // SMALL_BUCKET) <= c["inner_calls"] <= c["pieces"], c
         # Hooks on the returned optimizer run once per step, as on any torch optimizer.
-        assert c["hooks"] == ["pre", "post"]
+        assert c["hooks"] == ["global pre", "pre", "post", "global post"]
         if n <= 2:  # N=4's shard (43 elements) fits one bucket
             assert c["inner_calls"] > 1
         assert c["state_storages"] == {"exp_avg": c["shards"], "exp_avg_sq": c["shards"]}, c

@@ -99,7 +99,10 @@ def test_accumulation_equals_large_batch(world):
     # whose gradients are near zero; 1e-5 still catches any real error (a missed or doubled
     # micro-batch moves parameters by ~1e-3).
     assert a["vs_ddp"] <= 1e-5
-    assert a["reduce_scatter"] == a["padded"]  # one reduce-scatter of Ψ per step, at the boundary
+    assert a["reduce_scatter"] == 2 * a["padded"]  # one reduce-scatter of Ψ per micro-batch
+    b = results[0]["parity"]["accumulation_no_sync"]
+    assert b["vs_ddp"] <= 1e-5
+    assert b["reduce_scatter"] == b["padded"]  # one reduce-scatter of Ψ per step, at the boundary
 
 
 def test_branch_taken_later_still_equals_ddp(world):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from .comm import Comm
 from .config import Config
 from .materialize import default_device, has_meta, materialize
-from .optimizer import ZeroOptimizer
+from .optimizer import ZeroOptimizer, check_elementwise
 from .reducer import FlatParamGroup, GradReducer
 
 log = logging.getLogger(__name__)
@@ -80,17 +80,28 @@ def replicate_from_rank0(model: nn.Module, comm: Comm, skip: set) -> None:
 
 @torch.no_grad()
 def apply_compute_dtype(model: nn.Module, dtype: torch.dtype, skip: set) -> None:
-    """Replicated tensors (parameters not in `skip`, i.e. frozen ones, and floating buffers)
-    take the compute dtype, and so do floating inputs of the model's forward."""
+    """Replicated fp32 parameters (those not in `skip`, i.e. frozen ones) take the compute
+    dtype, and so do floating inputs of the model's forward. Buffers keep their dtype, as
+    under FSDP2's MixedPrecisionPolicy: a buffer is state the model computes with on its own
+    terms (a rotary `inv_freq` kept in fp32, a running mean), not a weight to round."""
     for p in model.parameters():
-        if id(p) not in skip and p.is_floating_point():
+        if id(p) not in skip and p.dtype == torch.float32:
             p.data = p.data.to(dtype)
-    for m in model.modules():
-        for name, b in m.named_buffers(recurse=False):
-            if b.is_floating_point():
-                setattr(m, name, b.to(dtype))
     if dtype != torch.float32:
         model.register_forward_pre_hook(_cast_forward_inputs(dtype), with_kwargs=True)
+
+
+def check_param_dtypes(named: list, config: Config) -> None:
+    """Trainable parameters are fp32 (the master's dtype) or already in the compute dtype;
+    any other dtype would be rounded silently into the flat buffers."""
+    allowed = {torch.float32, config.compute_dtype}
+    bad = [(n, p.dtype) for n, p in named if p.dtype not in allowed]
+    if bad:
+        shown = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in bad[:3])
+        raise TypeError(f"trainable parameters {shown}{' ...' if len(bad) > 3 else ''} are neither float32 nor "
+                        f"the compute dtype of Config.mixed_precision={config.mixed_precision!r}: zerodp keeps "
+                        f"an fp32 master and computes in {config.compute_dtype}, so they would be rounded. Cast "
+                        f"them (model.float()) or freeze them (requires_grad_(False)) before zerodp.initialize")
 
 
 def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
@@ -110,18 +121,21 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         raise TypeError(f"config must be a zerodp.Config or a dict, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    comm = Comm(process_group)
     if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
         materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
                          f"there is nothing for zerodp to shard or train")
+    check_param_dtypes(named, config)
     devices = {p.device for _, p in named}
     if len(devices) != 1:
         raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
                          f"move the model to one device before zerodp.initialize")
+    device = devices.pop()
+    comm = Comm(process_group, device=default_device() if device.type == "meta" else device)
     inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
+    check_elementwise(inner)
     group_indices = _grouped_params(inner, named)
 
     if config.stage == 3:
@@ -142,8 +156,12 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         idx = sorted(idx, reverse=True)
         groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm,
                                      config.stage, dtype, config.grad_reduce_dtype, config.bucket_bytes))
-    reducer = GradReducer(groups, comm, config.grad_accumulation_steps, config.overlap_comm, backward_order)
-    opt = ZeroOptimizer(inner, [[g] for g in groups], comm, config, reducer)
+    reducer = GradReducer(groups, comm, config.grad_accumulation_steps, config.overlap_comm, backward_order,
+                          config.reduce_each_micro_batch)
+    model.register_forward_pre_hook(lambda module, args: reducer.check_no_open_backward())
+    model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
+                                if torch.is_grad_enabled() else None)
+    opt = ZeroOptimizer(inner, [[g] for g in groups], comm, config, reducer, trainable=named)
     log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
              config.stage, comm.world_size, sum(g.layout.numel for g in groups), len(groups))
     return model, opt

@@ -111,20 +111,35 @@ def _finish(work: _Works, async_op: bool):
 class Comm:
     """Collectives over one process group, each recorded in `ledger`.
 
-    Pure functions of tensors: nothing here knows about modules or parameters.
+    Pure functions of tensors: nothing here knows about modules or parameters. Every tensor
+    must lie on `device` (the model's): NCCL only moves CUDA tensors, so a CPU scalar sent
+    on an NCCL group fails at run time; checking here makes a CPU-only (gloo) run catch the
+    same mistake.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, ledger: Optional[CommLedger] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, ledger: Optional[CommLedger] = None,
+                 device: Optional[torch.device] = None):
         self.group = group
         self.ledger = ledger if ledger is not None else CommLedger()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self._gloo = self.distributed and dist.get_backend(group) == "gloo"
+        if device is None:
+            nccl = self.distributed and dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(f"rank {self.rank}: {op} got a tensor on {t.device}, but this process group "
+                                 f"communicates tensors on {self.device}: create it on the model's device")
 
     # A single process needs no communication; these shortcuts keep world size 1 free of
     # a process group while recording the same volume (0 moved between ranks either way).
     def all_reduce(self, tensor: torch.Tensor, phase: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self._check("all_reduce", tensor)
         self.ledger.record("all_reduce", tensor.numel(), tensor.numel() * tensor.element_size(), phase)
         if self.world_size == 1:
             return None
@@ -132,6 +147,7 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
         """Sum `input` (the full tensor) over ranks; this rank receives its 1/N chunk in `output`."""
+        self._check("reduce_scatter", output, input)
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, output "
                              f"{output.numel()}; input must be output x world size ({self.world_size})")
@@ -146,6 +162,7 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
         """Concatenate every rank's `input` chunk into `output` (the full tensor)."""
+        self._check("all_gather", output, input)
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(f"all_gather: output has {output.numel()} elements, input "
                              f"{input.numel()}; output must be input x world size ({self.world_size})")
@@ -197,6 +214,7 @@ class Comm:
         return _finish(_Works(works, then), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:
+        self._check("broadcast", tensor)
         self.ledger.record("broadcast", tensor.numel(), tensor.numel() * tensor.element_size(), phase)
         if self.world_size > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
@@ -217,12 +235,12 @@ class Comm:
             dist.barrier(group=self.group)
 
     def max_scalar(self, value: float, phase: str = "control") -> float:
-        t = torch.tensor([float(value)], dtype=torch.float64)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         self.all_reduce(t, phase, op=dist.ReduceOp.MAX)
         return float(t.item())
 
     def sum_scalar(self, value: torch.Tensor, phase: str = "control") -> torch.Tensor:
-        t = value.detach().to(torch.float64).reshape(1).clone()
+        t = value.detach().to(device=self.device, dtype=torch.float64).reshape(1).clone()
         self.all_reduce(t, phase)
         return t[0]
 

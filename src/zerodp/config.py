@@ -69,9 +69,19 @@ class Config:
     """Micro-batches per optimizer step; gradients are communicated only at the last one,
     and `optimizer.backward(loss)` divides the loss by this number."""
 
+    reduce_each_micro_batch: bool = True
+    """Stage 2-3 with grad_accumulation_steps > 1: reduce-scatter every micro-batch's
+    gradients into the owned shard as its backward runs, so only the (2+K)Ψ/N of the paper
+    is held between micro-batches, at one more Ψ of reduce-scatter per micro-batch (as
+    DeepSpeed and FSDP2 do). False keeps the full unsharded gradients (2Ψ bytes in 16-bit)
+    until the last micro-batch and reduces once per step, as DDP's no_sync(). Stages 0-1
+    hold full gradients anyway and always reduce once, at the boundary."""
+
     unit_modules: tuple = ()
     """Stage 3: module classes (or class names) whose every instance is one unit, gathered
-    at once; e.g. (Block,). Empty means automatic units by `unit_min_params`."""
+    at once; e.g. (Block,). Empty means automatic units: a Hugging Face model's block classes
+    (`_no_split_modules`), else by `unit_min_params`. A unit must be a module that runs (not a
+    ModuleList)."""
 
     unit_min_params: int = 100_000
     """Stage 3 with no `unit_modules`: a submodule whose parameter count reaches this becomes
@@ -109,7 +119,7 @@ class Config:
         _positive_int("unit_min_params", self.unit_min_params)
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
-        for name in ("overlap_comm", "reshard_after_forward", "debug"):
+        for name in ("overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
         units = self.unit_modules

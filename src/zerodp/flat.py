@@ -141,7 +141,11 @@ class BufferPool:
 
     def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
-        self.allocated_nbytes = 0
+        self.allocated: list[torch.Tensor] = []  # every buffer ever handed out (none is freed)
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.allocated)
 
     def get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A buffer of `numel` elements starting at offset 0 of its storage (contents
@@ -152,7 +156,7 @@ class BufferPool:
             best = min(fits, key=lambda i: self.free[i].numel())
             return self.free.pop(best)[:numel]
         buf = hostmem.empty(numel, dtype, device)
-        self.allocated_nbytes += buf.numel() * buf.element_size()
+        self.allocated.append(buf)
         return buf
 
     def put(self, buf: torch.Tensor) -> None:

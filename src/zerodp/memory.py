@@ -1,20 +1,33 @@
-"""The ledger of bytes each rank holds, by category, and the paper's formula for it.
+"""The ledger of bytes each rank holds, by category, measured from the storages it holds.
 
 Categories follow the paper's model states (arXiv 1910.02054, §3.1): compute-dtype
 parameters, gradients, fp32 master weights and the optimizer's per-element states
-(Adam's exp_avg and exp_avg_sq). Bytes are read off the live tensors, not computed.
+(Adam's exp_avg and exp_avg_sq), plus zerodp's pooled communication buffers.
+
+[Note: measured ledger]
+Nothing here is computed from a formula. Each storage kind (flat group, stage-3 unit,
+buffer pool) names the tensors it holds in each category; a `Census` counts each distinct
+storage once (views of one buffer count once, at its full size) under the first category
+that claims it. Then every tensor reachable from the optimizer's objects is walked
+(`walk_tensors`), and any storage no category claimed is reported under `other`, by the
+attribute that holds it, instead of being hidden. Tests compare the categories with the
+paper's formula and the total with a census of every live tensor in the process.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
+import torch.nn as nn
+
+CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers")
 
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes one rank holds for model state, by category."""
+    """Bytes one rank holds, by category, counted from the storages it holds."""
 
     params: int
     grads: int
@@ -26,37 +39,100 @@ class MemoryReport:
     world_size: int
     stage: int
     gathered_params_peak: int = 0  # stage 3: largest bytes of full unit parameters held at once
+    other: int = 0  # storages held outside every category (e.g. optimizer scalar states)
+    other_by_owner: tuple = ()  # (holder, bytes) of each part of `other`
 
     @property
     def model_state(self) -> int:
         return self.params + self.grads + self.master + self.optimizer_states
 
+    @property
+    def total(self) -> int:
+        """Every byte the engine and optimizer hold."""
+        return self.model_state + self.comm_buffers + self.other
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "model_state": self.model_state}
+        out = asdict(self)
+        out["other_by_owner"] = dict(self.other_by_owner)
+        return {**out, "model_state": self.model_state, "total": self.total}
 
 
-def tensors_nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct storages behind `tensors` (views of one buffer count once)."""
-    seen = {}
-    for t in tensors:
-        if t is None:
+def storage_key(t: torch.Tensor):
+    st = t.untyped_storage()
+    return (st.data_ptr(), t.device), st.nbytes()
+
+
+class Census:
+    """Distinct storages, each under the first category (or holder) that claimed it."""
+
+    def __init__(self) -> None:
+        self.owner: dict = {}
+        self.nbytes: dict = {}
+
+    def claim(self, category: str, tensors: Iterable) -> None:
+        for t in tensors:
+            if t is None or t.is_meta:
+                continue
+            key, nbytes = storage_key(t)
+            if nbytes and key not in self.owner:
+                self.owner[key], self.nbytes[key] = category, nbytes
+
+    def by_owner(self) -> dict:
+        out: dict = collections.Counter()
+        for key, owner in self.owner.items():
+            out[owner] += self.nbytes[key]
+        return dict(out)
+
+
+def walk_tensors(root) -> Iterator[tuple[str, torch.Tensor]]:
+    """(holder, tensor) for every tensor reachable from `root` through zerodp objects,
+    torch optimizers and containers; a parameter's `.grad` too. Modules are not entered:
+    the storages reach every parameter they hold."""
+    stack, seen = [("", root)], set()
+    while stack:
+        holder, obj = stack.pop()
+        if id(obj) in seen:
             continue
-        st = t.untyped_storage()
-        seen[(st.data_ptr(), t.device)] = st.nbytes()
-    return sum(seen.values())
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            yield holder, obj
+            if isinstance(obj, nn.Parameter) and obj.grad is not None:
+                stack.append((holder + ".grad", obj.grad))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                stack.append((holder, k))
+                stack.append((holder, v))
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend((holder, v) for v in obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack.append((f"{type(obj).__name__}.state", obj.state))
+            stack.append((f"{type(obj).__name__}.param_groups", obj.param_groups))
+        elif not isinstance(obj, nn.Module) and type(obj).__module__.startswith("zerodp") and hasattr(obj, "__dict__"):
+            for name, v in vars(obj).items():
+                stack.append((f"{type(obj).__name__}.{name}", v))
+
+
+def live_tensor_storages() -> dict:
+    """Every storage behind a live Python tensor in this process, found by the garbage
+    collector (independent of what zerodp thinks it holds): key -> nbytes."""
+    import gc
+
+    out = {}
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj) and not obj.is_meta:
+                key, nbytes = storage_key(obj)
+                if nbytes:
+                    out[key] = nbytes
+        except (RuntimeError, ReferenceError):  # tensors without storage (e.g. sparse, functional wrappers)
+            continue
+    return out
 
 
 def is_elementwise_state(value, param: torch.Tensor) -> bool:
     """A per-element optimizer state (shaped like its parameter, e.g. Adam's exp_avg), as
     opposed to a 0-dim scalar such as Adam's step counter."""
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
-
-
-def optimizer_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of per-element optimizer states; scalar states such as Adam's step counter are
-    not model state in the paper's sense."""
-    return sum(v.numel() * v.element_size() for p, state in optimizer.state.items()
-               for v in state.values() if is_elementwise_state(v, p))
 
 
 def formula_bytes(stage: int, numel: int, world_size: int, param_bytes: int, grad_bytes: int,

@@ -26,14 +26,46 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from . import hostmem
 from .comm import Comm
 from .config import Config
-from .memory import MemoryReport, is_elementwise_state, optimizer_state_nbytes
+from .memory import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
 from .precision import LossScaler
 
 log = logging.getLogger(__name__)
 
-# Optimizers whose update is not elementwise: flattening and sharding a parameter changes
-# their result, so they cannot be used with flat shards.
-NON_ELEMENTWISE = ("LBFGS", "Adafactor")
+
+def check_elementwise(inner: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose update is not elementwise (LBFGS, Adafactor, Muon, ...):
+    on flat shards each rank steps 1-D pieces of parameters, which only gives the same
+    result if the update of every element depends on that element alone. Tested, not
+    looked up by name: a fresh instance with the first group's hyperparameters steps a 2-D
+    tensor and, separately, its flattened halves, three times; the results must agree."""
+    cls = type(inner)
+    hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    device = inner.param_groups[0]["params"][0].device
+    if device.type == "meta":  # born sharded: not materialised yet
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 4, generator=gen)
+    grads = [torch.randn(6, 4, generator=gen) for _ in range(3)]
+    whole = start.clone().to(device).requires_grad_()
+    halves = [start.reshape(-1)[:10].clone().to(device).requires_grad_(),
+              start.reshape(-1)[10:].clone().to(device).requires_grad_()]
+    why = None
+    try:
+        on_whole, on_halves = cls([{"params": [whole], **hyper}]), cls([{"params": halves, **hyper}])
+        for g in grads:
+            whole.grad = g.clone().to(device)
+            halves[0].grad, halves[1].grad = (t.clone().to(device) for t in (g.reshape(-1)[:10], g.reshape(-1)[10:]))
+            on_whole.step()
+            on_halves.step()
+        diff = float((torch.cat([h.detach().reshape(-1) for h in halves]) - whole.detach().reshape(-1)).abs().max())
+        if not diff <= 1e-6:
+            why = f"stepping a tensor's pieces gives another result than stepping the tensor (max difference {diff:.3g})"
+    except Exception as e:  # the optimizer could not step 1-D pieces at all
+        why = f"it cannot step 1-D pieces of a parameter ({type(e).__name__}: {e})"
+    if why is not None:
+        raise ValueError(f"{cls.__name__} is not elementwise: {why}. zerodp steps each rank's flat 1-D shard, "
+                         f"so it needs an optimizer whose update treats every element on its own, such as "
+                         f"AdamW, Adam, SGD, Adagrad or RMSprop")
 
 
 class ShardStorage(Protocol):
@@ -43,6 +75,7 @@ class ShardStorage(Protocol):
     def owned_params(self) -> list[torch.Tensor]: ...
     def owned_grads(self) -> list[torch.Tensor]: ...
     def owned_fp32(self) -> list[torch.Tensor]: ...
+    def drop_initial_fp32(self) -> None: ...
     def owned_pieces(self) -> list: ...
     def publish(self, comm: Comm, phase: str = "step") -> None: ...
     def zero_grad(self) -> None: ...
@@ -106,12 +139,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     param_groups shared with the inner optimizer (so LR schedulers drive it)."""
 
     def __init__(self, inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]],
-                 comm: Comm, config: Config, grad_sync, stage3=None):
-        name = type(inner).__name__
-        if name in NON_ELEMENTWISE:
-            raise ValueError(f"{name} is not elementwise (it couples elements of a parameter), so it cannot "
-                             f"run on flat shards; use an elementwise optimizer such as AdamW or SGD")
+                 comm: Comm, config: Config, grad_sync, trainable: list, stage3=None):
         self.inner, self.comm, self.config = inner, comm, config
+        self.trainable = trainable  # (name, parameter) of everything sharded, as at initialize
         self.grad_sync = grad_sync  # reducer (stages 0-2) or stage-3 engine: micro_step, grads_ready
         self.stage3 = stage3
         self.scaler = LossScaler.from_config(config)
@@ -121,6 +151,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shards = [_Shard(s, full_precision) for s in group_storages]
             self.shards.append(shards)
             group["params"] = [t for s in shards for t in s.master_tensors]
+        for group_storages in storages:  # only after every group's master is built: units span groups
+            for s in group_storages:
+                s.drop_initial_fp32()
         inner.state.clear()
         # Optimizer's bookkeeping, shared with the inner optimizer rather than copied.
         self.defaults, self.state, self.param_groups = inner.defaults, inner.state, inner.param_groups
@@ -132,8 +165,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._found_inf = False
         self._states_rehomed = False
         self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
+        self._scaled_backwards = 0  # backward passes run through self.backward since the last step
         self.step_count = 0
         self.last_grad_norm = None
+        # The inner optimizer's step without torch's hook wrapper: the hooks (global ones
+        # included) run once per step in `step`, not once per bucket.
+        step = type(inner).step
+        self._inner_step_fn = step.__wrapped__ if getattr(step, "hooked", False) else step
 
     def _all_shards(self):
         return [s for group in self.shards for s in group]
@@ -142,13 +180,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """loss.backward(), scaled by the fp16 loss scale and divided by the accumulation steps."""
         scale = self.scaler.scale / self.config.grad_accumulation_steps
+        self._scaled_backwards += 1
         (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("add_param_group after zerodp.initialize is not supported: the new parameters would "
+                           "not be in any shard. Give every param group to the optimizer before initialize "
+                           "(zerodp.initialize(model, Opt, cfg, params=[{...}, {...}]))")
+
+    def _check_trainable_unchanged(self) -> None:
+        frozen = [n for n, p in self.trainable if not p.requires_grad]
+        if frozen:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} were frozen "
+                f"(requires_grad=False) after zerodp.initialize; their shards would still be updated (weight "
+                f"decay, momentum). Freeze parameters before zerodp.initialize, which leaves them out of the "
+                f"shards, or re-run initialize after freezing")
+
+    def _check_loss_scaled(self) -> None:
+        plain = self.grad_sync.micro_step - self._scaled_backwards
+        if self.config.uses_loss_scaling and self.scaler.scale != 1.0 and plain > 0:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {plain} of the {self.grad_sync.micro_step} backward passes since the last "
+                f"step ran as loss.backward(); under fp16 the step divides gradients by the loss scale "
+                f"({self.scaler.scale:g}), so they would be {self.scaler.scale:g}x too small: use "
+                f"optimizer.backward(loss), which multiplies the loss by the scale")
 
     def _prepare_grads(self) -> None:
         """Give every master tensor its unscaled fp32 gradient, once per step, and agree
         across ranks whether any gradient is inf/nan."""
         if self._grads_prepared:
             return
+        self._check_trainable_unchanged()
+        self._check_loss_scaled()
         if not self.grad_sync.grads_ready:
             raise RuntimeError(
                 "step() or clip_grad_norm_() was called before a backward at the accumulation boundary: "
@@ -179,9 +243,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if math.isinf(norm_type):
             local_max = max((g.abs().max().item() for g in local), default=0.0)
-            total = torch.tensor(local_max if self._owns_all() else self.comm.max_scalar(local_max))
+            total = torch.tensor(local_max if self._owns_all() else self.comm.max_scalar(local_max),
+                                 device=self.comm.device)
         else:
-            local_sum = sum((g.pow(norm_type).sum() for g in local), torch.zeros((), dtype=torch.float64))
+            local_sum = sum((g.pow(norm_type).sum() for g in local), torch.zeros((), dtype=torch.float64, device=self.comm.device))
             if not self._owns_all():
                 local_sum = self.comm.sum_scalar(local_sum)
             total = local_sum.to(torch.float64) ** (1.0 / norm_type)
@@ -216,6 +281,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         self._grads_prepared = False
         self._found_inf = False
+        self._scaled_backwards = 0
         self.grad_sync.after_step()
         self.comm.ledger.end_step()
         if self._on_cpu:  # see [Note: long-lived host buffers]
@@ -239,7 +305,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for chunk in _chunks(params, self.config.bucket_bytes):
                     for gj, g in enumerate(groups):
                         g["params"] = chunk if gj == gi else []
-                    self.inner.step()
+                    self._inner_step_fn(self.inner)
         finally:
             for g, params in zip(groups, everything):
                 g["params"] = params
@@ -275,6 +341,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         since_release = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every gradient and start the backward schedule over: after a backward that
+        raised too ([Note: failed backward] in schedule.py)."""
+        self.grad_sync.reset()
+        self._grads_prepared = False
+        self._scaled_backwards = 0
         for shard in self._all_shards():
             shard.storage.zero_grad()
             for m in shard.master_tensors:
@@ -387,29 +458,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     piece.copy_(param.reshape(-1))
 
     # -- reports ------------------------------------------------------------------------
-    def _memory_owners(self) -> list:
-        """Each distinct storage once (stage 3 splits a unit into one view per param group)."""
-        owners = {}
-        for shard in self._all_shards():
-            owner = getattr(shard.storage, "unit", shard.storage)
-            owners.setdefault(id(owner), owner)
-        return list(owners.values())
-
     def memory_report(self) -> MemoryReport:
-        owners = self._memory_owners()
-        params = sum(o.memory()["params"] for o in owners)
-        grads = sum(o.memory()["grads"] for o in owners)
-        master = sum(m.numel() * m.element_size() for s in self._all_shards() if not s.full_precision
-                     for m in s.master_tensors)
-        numel = sum(o.layout.numel for o in owners)
-        padded = sum(o.layout.padded_numel for o in owners)
-        comm_buffers = getattr(self.grad_sync, "pool", None)
+        """Bytes this rank holds, counted from its storages: [Note: measured ledger]."""
+        census = Census()
+        storages = [s.storage for s in self._all_shards()]
+        census.claim("params", (t for st in storages for t in st.held_tensors()["params"]))
+        census.claim("master", (m for s in self._all_shards() for m in s.master_tensors))
+        census.claim("grads", (t for st in storages for t in st.held_tensors()["grads"]))
+        census.claim("grads", (m.grad for s in self._all_shards() for m in s.master_tensors))
+        census.claim("optimizer_states", (v for p, state in self.inner.state.items()
+                                          for v in state.values() if is_elementwise_state(v, p)))
+        pool = getattr(self.grad_sync, "pool", None)
+        census.claim("comm_buffers", pool.allocated if pool is not None else ())
+        for holder, t in walk_tensors(self):
+            census.claim(holder, [t])
+        held = census.by_owner()
+        layouts = {id(st.layout): st.layout for st in storages}.values()
         return MemoryReport(
-            params=params, grads=grads, master=master,
-            optimizer_states=optimizer_state_nbytes(self.inner),
-            comm_buffers=comm_buffers.allocated_nbytes if comm_buffers is not None else 0,
-            numel=numel, padded_numel=padded, world_size=self.comm.world_size, stage=self.config.stage,
-            gathered_params_peak=self.stage3.gathered_peak_nbytes if self.stage3 is not None else 0)
+            **{c: held.pop(c, 0) for c in CATEGORIES},
+            numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
+            world_size=self.comm.world_size, stage=self.config.stage,
+            gathered_params_peak=self.stage3.gathered_peak_nbytes if self.stage3 is not None else 0,
+            other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
 
     def report(self) -> dict:
         """This rank's memory ledger and the last step's communication, as plain data."""

@@ -32,6 +32,7 @@ import torch.nn as nn
 from . import hostmem
 from .comm import Comm
 from .flat import BufferPool, FlatLayout, Piece
+from .schedule import BackwardSchedule
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,10 @@ class FlatParamGroup:
 
     def owned_fp32(self) -> list[torch.Tensor]:
         src = self._initial_fp32 if self._initial_fp32 is not None else self.flat
-        out = [src[p.flat_start: p.flat_start + p.numel].float().clone() for p in self.owned_pieces()]
+        return [src[p.flat_start: p.flat_start + p.numel].float().clone() for p in self.owned_pieces()]
+
+    def drop_initial_fp32(self) -> None:
         self._initial_fp32 = None
-        return out
 
     def owned_grads(self) -> list[torch.Tensor]:
         if self.grad_shard is not None:
@@ -108,10 +110,12 @@ class FlatParamGroup:
             for p in self.params:
                 p.grad = None
 
-    def memory(self) -> dict:
-        grads = self.grad_flat if self.grad_flat is not None else self.grad_shard
-        return {"params": self.flat.numel() * self.flat.element_size(),
-                "grads": grads.numel() * grads.element_size()}
+    def held_tensors(self) -> dict:
+        """What this group holds, by ledger category ([Note: measured ledger] in memory.py);
+        autograd's own `.grad` of a parameter is an unsharded gradient held until its
+        bucket is filled."""
+        return {"params": [self.flat],
+                "grads": [self.grad_flat, self.grad_shard, *(p.grad for p in self.params)]}
 
 
 @dataclass(eq=False)
@@ -121,21 +125,22 @@ class _Bucket:
     pending: int  # parameters overlapping the segment whose gradient is not in yet
     buffer: Optional[torch.Tensor] = None  # reduce-dtype staging, when one is needed
     work: object = None
+    accumulate: bool = False  # stage 2: add the reduced chunk to the shard (a later micro-batch)
 
 
-class GradReducer:
+class GradReducer(BackwardSchedule):
     """Launches each bucket's reduction from backward hooks (stages 0-2)."""
 
     def __init__(self, groups: list[FlatParamGroup], comm: Comm, accumulation_steps: int,
-                 overlap: bool, backward_order: dict):
-        self.groups, self.comm = groups, comm
-        self.accumulation_steps, self.overlap = accumulation_steps, overlap
+                 overlap: bool, backward_order: dict, reduce_each_micro_batch: bool):
+        # Stages 0-1 hold full gradients anyway: they reduce once, at the boundary.
+        stage = groups[0].stage
+        super().__init__(comm, accumulation_steps, reduce_each_micro_batch and stage == 2)
+        self.groups, self.overlap = groups, overlap
         self.pool = BufferPool()
-        self.micro_step = 0  # backward passes since the last step
-        self.grads_ready = False  # the boundary backward has finished reducing
-        self._callback_queued = False
         # Buckets in launch order: by when their last parameter is expected to finish in
-        # backward (reverse registration order), identical on every rank.
+        # backward (reverse registration order), identical on every rank, until the first
+        # reducing backward has shown the real order (`_adopt_ready_order`).
         self.buckets: list[_Bucket] = []
         self._param_buckets: dict[int, list[_Bucket]] = {}
         for g in groups:
@@ -156,6 +161,7 @@ class GradReducer:
                                for b in self.buckets}
         self._next = 0
         self._in_flight: deque = deque()
+        self._ready_order: Optional[list[int]] = []  # recorded on the first reducing backward; None once adopted
         for g in groups:
             for pi, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(g, pi))
@@ -168,31 +174,23 @@ class GradReducer:
         self._filled.clear()
         self._next = 0
 
-    @property
-    def at_boundary(self) -> bool:
-        return self.micro_step + 1 >= self.accumulation_steps
-
     def _make_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:
             self._on_grad_ready(group, index, param)
         return hook
 
     def _on_grad_ready(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
-        if self.grads_ready:
-            raise RuntimeError(
-                f"backward ran again after the accumulation boundary (grad_accumulation_steps="
-                f"{self.accumulation_steps}) without optimizer.step(): call step() and zero_grad() first")
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        self.begin_backward()
         if group.grad_views is not None and param.grad is not group.grad_views[index]:
             # Someone replaced .grad (e.g. model.zero_grad(set_to_none=True)); fold it back.
             group.grad_views[index].copy_(param.grad)
             param.grad = group.grad_views[index]
-        if not self.at_boundary:
+        if not self.reduces_now:
             return
         for b in self._param_buckets[id(param)]:
             b.pending -= 1
+            if b.pending == 0 and self._ready_order is not None:
+                self._ready_order.append(self.buckets.index(b))
         self._launch_ready(flush=False)
 
     def _launch_ready(self, flush: bool) -> None:
@@ -224,11 +222,15 @@ class GradReducer:
         g, comm = b.group, self.comm
         seg = g.layout.segments[b.seg_index]
         chunk = g.layout.chunk(b.seg_index, g.rank)
+        local = chunk.flat_start - seg.start
         n = comm.world_size
         if g.grad_shard is not None:  # stage 2: bucket buffer -> gradient shard
             self._fill(b)
             b.buffer.div_(n)
-            out = g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel]
+            # A later micro-batch adds to the shard: reduce in place, add when done.
+            b.accumulate = self.micro_step > 0
+            out = (b.buffer[local: local + chunk.numel] if b.accumulate
+                   else g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel])
             b.work = comm.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap)
         else:
             grads = g.grad_flat[seg.start: seg.end]
@@ -243,9 +245,8 @@ class GradReducer:
             if g.stage == 0:
                 b.work = comm.all_reduce(target, "backward", async_op=self.overlap)
             else:
-                size = chunk.numel
-                local = chunk.flat_start - seg.start
-                b.work = comm.reduce_scatter(target[local: local + size], target, "backward", async_op=self.overlap)
+                b.work = comm.reduce_scatter(target[local: local + chunk.numel], target, "backward",
+                                             async_op=self.overlap)
         if not self.overlap:
             self._finish(b)
             return
@@ -263,28 +264,52 @@ class GradReducer:
             b.work = None
         g = b.group
         if b.buffer is not None:
-            if g.grad_shard is None:  # reduced in a wider dtype: write back what we need
-                seg = g.layout.segments[b.seg_index]
-                if g.stage == 0:
-                    g.grad_flat[seg.start: seg.end].copy_(b.buffer)
-                else:
-                    c = g.layout.chunk(b.seg_index, g.rank)
-                    local = c.flat_start - seg.start
-                    g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(b.buffer[local: local + c.numel])
+            seg = g.layout.segments[b.seg_index]
+            c = g.layout.chunk(b.seg_index, g.rank)
+            local = c.flat_start - seg.start
+            if g.grad_shard is not None:
+                if b.accumulate:
+                    g.grad_shard[c.shard_start: c.shard_start + c.numel].add_(b.buffer[local: local + c.numel])
+            elif g.stage == 0:  # reduced in a wider dtype: write back what we need
+                g.grad_flat[seg.start: seg.end].copy_(b.buffer)
+            else:
+                g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(b.buffer[local: local + c.numel])
             self.pool.put(b.buffer)
             b.buffer = None
 
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
-        if self.at_boundary:
-            self._launch_ready(flush=True)
-            for b in self.buckets:
-                self._finish(b)
-            self._in_flight.clear()
-            self.grads_ready = True
-        self.micro_step += 1
+    def finish_backward(self) -> None:
+        if not self.reduces_now:
+            return
+        self._launch_ready(flush=True)
+        self._wait_all()
+        self._adopt_ready_order()
+        self._reset_buckets()
+
+    def _wait_all(self) -> None:
+        for b in self.buckets:
+            self._finish(b)
+        self._in_flight.clear()
+
+    def _adopt_ready_order(self) -> None:
+        """After the first reducing backward, launch buckets in the order they became ready
+        (rank 0's, so every rank issues the same collectives), as DDP rebuilds its buckets:
+        a model that registers its modules in another order than it runs them would
+        otherwise hold every gradient until the first-registered bucket is ready."""
+        if self._ready_order is None:
+            return
+        seen = self.agree_on_order(self._ready_order)
+        self._ready_order = None
+        rest = [i for i in range(len(self.buckets)) if i not in set(seen)]
+        self.buckets = [self.buckets[i] for i in seen + rest]
+
+    def reset(self) -> None:
+        """After a backward that raised: wait for what is in flight, return every buffer."""
+        super().reset()
+        self._wait_all()
+        self._reset_buckets()
+        if self._ready_order is not None:
+            self._ready_order = []
 
     def after_step(self) -> None:
-        self.micro_step = 0
-        self.grads_ready = False
+        super().after_step()
         self._reset_buckets()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,7 @@ from .flat import BufferPool
 from .materialize import default_device, has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .reducer import MAX_IN_FLIGHT
+from .schedule import BackwardSchedule, inside_backward
 from .units import FlatUnit, UnitGroupView, UnitState, assign_params, encloses, select_units
 
 log = logging.getLogger(__name__)
@@ -47,20 +48,14 @@ class _UnitView:
     """Marks a saved tensor packed as a view of a unit's gathered buffer."""
 
 
-def _inside_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class Stage3Engine:
+class Stage3Engine(BackwardSchedule):
     """The schedule: when each unit is gathered, freed and reduced."""
 
     def __init__(self, units: list[FlatUnit], comm: Comm, config: Config, pool: BufferPool):
-        self.units, self.comm, self.config, self.pool = units, comm, config, pool
+        super().__init__(comm, config.grad_accumulation_steps, config.reduce_each_micro_batch)
+        self.units, self.config, self.pool = units, config, pool
         self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
         self.root = len(units) - 1
-        self.accumulation_steps = config.grad_accumulation_steps
-        self.micro_step = 0
-        self.grads_ready = False
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
         self._recording = True
@@ -71,9 +66,10 @@ class Stage3Engine:
         self._live: set = set()  # units gathered since they were last seen freed
         self._works: list = []
         self._next_reduce = 0
-        self._callback_queued = False
-        # Reduce order: children finish backward before the units registered before them.
+        # Reduce order: children finish backward before the units registered before them,
+        # until the first reducing backward has shown the real order (`_adopt_done_order`).
         self.reduce_order = list(reversed(range(self.root))) + [self.root]
+        self._done_order: Optional[list[int]] = []
         self.gathered_peak_nbytes = 0
         self._on_cpu = units[-1].shard.device.type == "cpu"
         for ui, unit in enumerate(units):
@@ -82,13 +78,35 @@ class Stage3Engine:
             unit.module.register_forward_hook(self._make_post_forward(ui), always_call=True)
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
+        self._guard_sharded_use(units[-1].module)
         self._reset_backward_state()
 
-    # -- helpers -----------------------------------------------------------------------------
-    @property
-    def at_boundary(self) -> bool:
-        return self.micro_step + 1 >= self.accumulation_steps
+    def _guard_sharded_use(self, model: nn.Module) -> None:
+        """A module whose parameters belong to a unit that is not gathered when it runs
+        would compute with 1-D shards (wrong shapes on some ranks, a hang on the others).
+        Each module holding unit parameters checks, just before its forward, that their
+        units are gathered, and raises naming them; registered after the units' own
+        hooks, so a unit's gather runs first."""
+        unit_of = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
+        for mname, m in model.named_modules():
+            mine = [(pname, unit_of[id(p)]) for pname, p in m.named_parameters(recurse=False) if id(p) in unit_of]
+            if mine:
+                m.register_forward_pre_hook(self._make_sharded_check(mname or "<root>", type(m).__name__, mine))
 
+    def _make_sharded_check(self, mname: str, kind: str, mine: list):
+        def hook(module, args):
+            for pname, ui in mine:
+                if self.units[ui].state is UnitState.SHARDED:
+                    unit = self.units[ui]
+                    raise RuntimeError(
+                        f"rank {self.comm.rank}: {mname} ({kind}) ran while its parameter {pname!r} is sharded: "
+                        f"stage-3 unit {unit.name} that holds it was not gathered, because that unit's forward "
+                        f"does not enclose this call. Units must be modules whose forward runs every use of "
+                        f"their parameters: set Config.unit_modules to the model's block class, or run the "
+                        f"call inside zerodp.gathered_parameters(...)")
+        return hook
+
+    # -- helpers -----------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
         self._pending = [len(u.params) for u in self.units]
         self._ready.clear()
@@ -124,8 +142,9 @@ class Stage3Engine:
     # -- forward -----------------------------------------------------------------------------
     def _make_pre_forward(self, ui: int):
         def hook(module, args):
-            in_backward = _inside_backward()
+            in_backward = inside_backward()
             if ui == self.root and not in_backward:
+                self.check_no_open_backward()
                 self._used.clear()
                 if torch.is_grad_enabled() and self._saved_hooks is None:
                     self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -145,7 +164,7 @@ class Stage3Engine:
             if ui == self.root and self._saved_hooks is not None:
                 self._saved_hooks.__exit__(None, None, None)
                 self._saved_hooks = None
-            if _inside_backward():  # recomputation (activation checkpointing): backward needs them
+            if inside_backward():  # recomputation (activation checkpointing): backward needs them
                 return None
             training = torch.is_grad_enabled()
             if training:
@@ -193,14 +212,8 @@ class Stage3Engine:
         def hook(grad):
             if ui in self._in_backward:
                 return None
-            if self.grads_ready:
-                raise RuntimeError(
-                    f"backward ran again after the accumulation boundary (grad_accumulation_steps="
-                    f"{self.accumulation_steps}) without optimizer.step(): call step() and zero_grad() first")
+            self.begin_backward()
             self._in_backward.add(ui)
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             if self._recording:
                 self.backward_order.append(ui)
             self._gather(ui, "backward", async_op=False)
@@ -215,6 +228,8 @@ class Stage3Engine:
             self._pending[ui] -= 1
             if self._pending[ui] == 0:
                 self._unit_done(ui)
+                if self._done_order is not None and self.reduces_now:
+                    self._done_order.append(ui)
                 self._launch_reductions(flush=False)
         return hook
 
@@ -227,14 +242,15 @@ class Stage3Engine:
             hostmem.release_free_heap()
 
     def _launch_reductions(self, flush: bool) -> None:
-        if not self.at_boundary:
+        if not self.reduces_now:
             return
+        accumulate = self.micro_step > 0  # a later micro-batch adds to the shard
         while self._next_reduce < len(self.reduce_order):
             ui = self.reduce_order[self._next_reduce]
             if ui not in self._ready and not flush:
                 return
-            work = self.units[ui].reduce_grads(self.comm, async_op=self.config.overlap_comm)
-            self._works.append((ui, work))
+            work = self.units[ui].reduce_grads(self.comm, async_op=self.config.overlap_comm, accumulate=accumulate)
+            self._works.append((ui, work, accumulate))
             self._next_reduce += 1
             # A finished reduction gives its gradient buffer back to the pool at once; at most
             # MAX_IN_FLIGHT wait behind the wire.
@@ -242,30 +258,54 @@ class Stage3Engine:
                                    or self._works[0][1].is_completed()):
                 self._finish_reduction(*self._works.pop(0))
 
-    def _finish_reduction(self, ui: int, work) -> None:
+    def _finish_reduction(self, ui: int, work, accumulate: bool) -> None:
         if work is not None:
             work.wait()
-        self.units[ui].free_grads()
+        self.units[ui].finish_reduce(accumulate)
 
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
+    def _wait_all(self) -> None:
+        for ui, work, accumulate in self._works:
+            self._finish_reduction(ui, work, accumulate)
+        self._works.clear()
+
+    def finish_backward(self) -> None:
         for ui in range(len(self.units)):
             if ui not in self._ready:
                 self._unit_done(ui)
         self._launch_reductions(flush=True)
-        if self.at_boundary:
-            for ui, work in self._works:
-                self._finish_reduction(ui, work)
-            self._works.clear()
-            self.grads_ready = True
-        self.micro_step += 1
+        if self.reduces_now:
+            self._wait_all()
+            self._adopt_done_order()
         if self.forward_order:
             self._recording = False
         self._reset_backward_state()
 
-    def after_step(self) -> None:
-        self.micro_step = 0
-        self.grads_ready = False
+    def _adopt_done_order(self) -> None:
+        """After the first reducing backward, reduce units in the order their gradients
+        were done (rank 0's, the same collectives on every rank), as DDP rebuilds its
+        buckets: with modules registered in another order than they run, the fixed order
+        would hold every unit's gradient buffer until the first-registered one is done."""
+        if self._done_order is None:
+            return
+        seen = self.agree_on_order(self._done_order)
+        self._done_order = None
+        self.reduce_order = seen + [ui for ui in self.reduce_order if ui not in set(seen)]
+
+    def reset(self) -> None:
+        """After a backward or forward that raised ([Note: failed backward] in schedule.py):
+        wait for reductions in flight, drop unreduced gradients, free every gathered unit."""
+        super().reset()
+        self._wait_all()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        for unit in self.units:
+            unit.discard_grads()
+            unit.reshard()
+        self._used.clear()
+        self._reset_backward_state()
+        if self._done_order is not None:
+            self._done_order = []
 
 
 def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, group_indices: list[list[int]],
@@ -323,7 +363,8 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
             if local:
                 views.append(UnitGroupView(u, local))
         storages.append(views)
-    opt = ZeroOptimizer(inner, storages, comm, config, engine, stage3=engine)
+    opt = ZeroOptimizer(inner, storages, comm, config, engine, trainable=[(n, current[i]) for i, n in enumerate(names)],
+                        stage3=engine)
     _ENGINES[model] = engine
     log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(flat_units),
              ", ".join(u.name for u in flat_units[:4]) + (" ..." if len(flat_units) > 4 else ""))

@@ -35,11 +35,26 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+def runs(module: nn.Module) -> bool:
+    """Whether the module has a forward of its own. Containers (ModuleList, ModuleDict,
+    ParameterList) are never called, so their forward hooks never fire: they cannot be
+    units, whose parameters are gathered by those hooks."""
+    return type(module).forward is not nn.Module.forward
+
+
 def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list[tuple[str, nn.Module]]:
     """(name, module) of every unit, the root last. With `unit_modules`, each instance of
-    those classes (or class names) is a unit; otherwise, bottom-up, each submodule whose
-    parameters not yet claimed by a unit below it reach `min_params`."""
+    those classes (or class names) is a unit; else a Hugging Face model's
+    `_no_split_modules` (its block classes) are; otherwise, bottom-up, each submodule that
+    runs (see `runs`) and whose parameters not yet claimed by a unit below it reach
+    `min_params`; a container's parameters fall to the module that calls its children."""
     named = list(model.named_modules())
+    if not unit_modules:
+        # Hugging Face models name their blocks (the classes never split across devices),
+        # which is what FSDP's and DeepSpeed's HF integrations wrap by default.
+        hinted = tuple(getattr(model, "_no_split_modules", None) or ())
+        if any(type(m).__name__ in hinted for _, m in named if m is not model):
+            unit_modules = hinted
     if unit_modules:
         wanted = {u for u in unit_modules if isinstance(u, type)}
         wanted_names = {u for u in unit_modules if isinstance(u, str)}
@@ -48,11 +63,16 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
         if not units:
             raise ValueError(f"Config.unit_modules={unit_modules!r} matches no submodule of "
                              f"{type(model).__name__}: name a class that the model contains")
+        idle = [f"{n} ({type(m).__name__})" for n, m in units if not runs(m)]
+        if idle:
+            raise ValueError(f"Config.unit_modules={unit_modules!r} names containers that are never called, "
+                             f"{idle[:3]}: a unit must be a module whose forward runs; name the block class "
+                             f"inside the container instead")
     else:
         claimed: set = set()
         units = []
         for n, m in reversed(named):  # children before parents
-            if m is model:
+            if m is model or not runs(m):
                 continue
             own = [p for p in m.parameters() if id(p) not in claimed]
             if sum(p.numel() for p in own) >= min_params:
@@ -208,14 +228,32 @@ class FlatUnit:
                     part.add_(p.grad.reshape(-1))
                 p.grad = None
 
-    def reduce_grads(self, comm: Comm, async_op: bool):
-        """Reduce-scatter the accumulated gradients into the owned gradient shard."""
+    def reduce_grads(self, comm: Comm, async_op: bool, accumulate: bool):
+        """Reduce-scatter the accumulated gradients into the owned gradient shard; with
+        `accumulate` (a later micro-batch), in place, to be added by `finish_reduce`."""
         if self.empty:
             return None
         if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
             self._new_grad_full()
         self.grad_full.div_(self.world_size)  # average, dividing first as DDP does
-        return comm.reduce_scatter(self.ensure_grad_shard(), self.grad_full, "backward", async_op=async_op)
+        out = self._own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
+        return comm.reduce_scatter(out, self.grad_full, "backward", async_op=async_op)
+
+    def finish_reduce(self, accumulate: bool) -> None:
+        """After the reduce-scatter has completed: add it to the shard, free the buffer."""
+        if accumulate and self.grad_full is not None:
+            self.ensure_grad_shard().add_(self._own_chunk(self.grad_full))
+        self.free_grads()
+
+    def _own_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        c = self.layout.chunk(0, self.rank)
+        return full[c.flat_start: c.flat_start + c.numel]
+
+    def discard_grads(self) -> None:
+        """Drop unreduced gradients (after a backward that raised)."""
+        for p in self.params:
+            p.grad = None
+        self.free_grads()
 
     def ensure_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
@@ -232,6 +270,14 @@ class FlatUnit:
             self.grad_full = None
 
     # -- what the optimizer sees -----------------------------------------------------------
+    def initial_fp32(self) -> torch.Tensor:
+        """The shard's exact initial values, for the optimizer's fp32 master."""
+        return self._initial_fp32 if self._initial_fp32 is not None else self.shard
+
+    def drop_initial_fp32(self) -> None:
+        """Once the master is built the fp32 copy is garbage: 4Ψ/N bytes the formula has no room for."""
+        self._initial_fp32 = None
+
     def owned_pieces(self, indices=None) -> list[Piece]:
         """One piece per owned run of a parameter, in shard order."""
         out = []
@@ -241,10 +287,12 @@ class FlatUnit:
                 out.append(Piece(chunk.flat_start + s, s, n))
         return out
 
-    def memory(self) -> dict:
-        grads = self.grad_shard
-        return {"params": self.shard.numel() * self.shard.element_size(),
-                "grads": 0 if grads is None else grads.numel() * grads.element_size()}
+    def held_tensors(self) -> dict:
+        """What this unit holds, by ledger category ([Note: measured ledger] in memory.py).
+        The gathered buffer is the pool's (communication buffers); an unsharded gradient
+        buffer still held between micro-batches is gradient memory."""
+        return {"params": [self.shard],
+                "grads": [self.grad_shard, self.grad_full, *(p.grad for p in self.params)]}
 
 
 class UnitGroupView:
@@ -266,8 +314,11 @@ class UnitGroupView:
         return [grads[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
 
     def owned_fp32(self) -> list[torch.Tensor]:
-        src = self.unit._initial_fp32 if self.unit._initial_fp32 is not None else self.unit.shard
+        src = self.unit.initial_fp32()
         return [src[p.shard_start: p.shard_start + p.numel].float().clone() for p in self.pieces]
+
+    def drop_initial_fp32(self) -> None:
+        self.unit.drop_initial_fp32()
 
     def publish(self, comm: Comm, phase: str = "step") -> None:
         """Nothing to publish: stage 3 gathers parameters when a unit next runs."""
@@ -276,5 +327,5 @@ class UnitGroupView:
         if self.unit.grad_shard is not None:
             self.unit.grad_shard.zero_()
 
-    def memory(self) -> dict:
-        return self.unit.memory()
+    def held_tensors(self) -> dict:
+        return self.unit.held_tensors()

@@ -1,0 +1,264 @@
+"""GPU smoke check: zerodp stages 0-3 x bf16/fp16 against torch DDP, the fp16 overflow skip,
+and a stage-3 vs DDP step-time/memory line. Launch with `bash scripts/gpu_check.sh`
+(torchrun, one process per GPU, NCCL); `--cpu` runs the same logic on gloo."""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import logging
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerodp
+from zerodp.models import GPT, Block, gpt_config
+
+# Tolerances. zerodp and the reference do the same math in the same dtype but sum the
+# ranks' gradients in a different order (flat buckets, reduce-scatter vs DDP's all-reduce),
+# so they differ by rounding; at 2 ranks a+b is order-free and they agree bitwise.
+# Measured on CPU, gloo, "tiny", 5 steps, lr 1e-3, largest over stages 0-3 at 3, 4, 8 ranks:
+#   rounding noise   bf16: loss 1.5e-4, param 3.3e-3   fp16: loss 5.2e-5, param 2.0e-3
+# and, for scale, the reference against broken copies of itself (2 ranks, bf16 / fp16):
+#   gradients not all-reduced  loss 5.9e-3 / 6.0e-3, param 9.5e-3
+#   no update at all           loss 7.9e-3 / 8.0e-3, param 5.0e-3
+# So the loss is the sensitive metric: its limits sit 7-10x above the noise (room for
+# NCCL's ring order and atomics in CUDA attention backward) and 6x below those bugs; a
+# loose 2e-2 would pass a model that never trains. The parameter metric cannot be that
+# tight: Adam turns a rounding flip in a near-zero gradient into a full lr-sized step, so
+# honest runs may differ by up to 2*lr per element per step plus an ulp (2^-8 bf16, 2^-11
+# fp16); more than that (a wrong shard, a stale or garbled publish) is a bug.
+LR, CLIP = 1e-3, 1.0
+LOSS_TOL = {"bf16": 1e-3, "fp16": 5e-4}
+ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+FP16_SCALE = 1024.0  # fixed loss scale, the same for zerodp and the reference
+
+
+def log(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def batch(step, rank, cfg, rows, device):
+    """Random tokens, the same for zerodp and the reference, different per rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def build(preset, device, born_sharded_cfg=None):
+    # Both sides draw weights from seed 0 on the target device. A model born sharded (built
+    # under zerodp.init, materialised on this rank's device by initialize) replays the same
+    # reset_parameters() calls, so it gets the same values.
+    torch.manual_seed(0)
+    with zerodp.init(born_sharded_cfg) if born_sharded_cfg else torch.device(device):
+        return GPT(preset)
+
+
+def agree_max(value, device):
+    """Max over ranks. The tensor lives on the compute device: NCCL cannot reduce CPU tensors."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Reference:
+    """torch DDP over a compute-dtype copy, AdamW on an fp32 master (tests/core_cases.py's
+    train_reference), with the fixed loss scale zerodp uses for fp16."""
+
+    def __init__(self, model, dtype, device, scale):
+        self.scale = scale
+        self.master = list(model.parameters())  # fp32, deduplicated (tied head counted once)
+        self.compute = copy.deepcopy(model).to(dtype)
+        self.ddp = DDP(self.compute, device_ids=[device.index] if device.type == "cuda" else None)
+        self.opt = torch.optim.AdamW(self.master, lr=LR)
+
+    def step(self, x, y):
+        _, loss = self.ddp(x, y)
+        (loss * self.scale).backward()
+        for m, c in zip(self.master, self.compute.parameters()):
+            m.grad = c.grad.float() / self.scale
+        torch.nn.utils.clip_grad_norm_(self.master, CLIP)
+        self.opt.step()
+        self.opt.zero_grad()
+        self.compute.zero_grad()
+        with torch.no_grad():
+            for m, c in zip(self.master, self.compute.parameters()):
+                c.copy_(m)
+        return loss.detach()
+
+
+def zero_step(model, opt, x, y):
+    _, loss = model(x, y)
+    opt.backward(loss)
+    opt.clip_grad_norm_(CLIP)  # a scalar all-reduce of the shards' norms
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def params_of(model):
+    """{name: fp32 copy} of the full parameters (gathered at stage 3; a no-op below it)."""
+    with zerodp.gathered_parameters(model):
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def label(stage, born):
+    return f"stage {stage}{' init' if born else ''}".ljust(12)
+
+
+def make_zero(stage, precision, preset, device, born=False, **cfg_kwargs):
+    cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_modules=(Block,), **cfg_kwargs)
+    model = build(preset, device, cfg if born else None)
+    return zerodp.initialize(model, torch.optim.AdamW, cfg, lr=LR)
+
+
+def check_case(stage, born, precision, args, device):
+    rank, preset = dist.get_rank(), "tiny"
+    scale = FP16_SCALE if precision == "fp16" else 1.0
+    extra = {"loss_scale": FP16_SCALE} if precision == "fp16" else {}
+    model, opt = make_zero(stage, precision, preset, device, born, **extra)
+    ref = Reference(build(preset, device), zerodp.Config(mixed_precision=precision).compute_dtype, device, scale)
+    cfg = model.config
+    loss_diff = 0.0
+    for step in range(args.steps):
+        x, y = batch(step, rank, cfg, args.rows, device)
+        a, b = zero_step(model, opt, x, y), ref.step(x, y)
+        loss_diff = max(loss_diff, abs(float(a) - float(b)))
+    # |a-b| / (1+|b|): relative for large elements, absolute near 0 (as tests/core_cases.py)
+    mine, theirs = params_of(model), {n: p.detach().float() for n, p in ref.compute.named_parameters()}
+    param_diff = max(float(((mine[n] - q).abs() / (1 + q.abs())).max()) for n, q in theirs.items())
+    loss_diff, param_diff = agree_max(loss_diff, device), agree_max(param_diff, device)
+    loss_tol, param_tol = LOSS_TOL[precision], 2 * LR * args.steps + ULP[precision]
+    ok = loss_diff <= loss_tol and param_diff <= param_tol
+    log(f"{label(stage, born)} {precision}  loss diff {loss_diff:.1e} (tol {loss_tol:.0e})  "
+        f"param diff {param_diff:.1e} (tol {param_tol:.1e})  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def check_overflow_skip(stage, args, device):
+    """The last rank's loss is inf: every rank must skip the step and halve the scale."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = make_zero(stage, "fp16", "tiny", device, loss_scale="dynamic", initial_loss_scale=FP16_SCALE)
+    before = params_of(model)
+    quiet, level = logging.getLogger("zerodp"), logging.getLogger("zerodp").level
+    quiet.setLevel(logging.ERROR)  # its per-rank "skipping step" warning is expected here
+    try:
+        x, y = batch(0, rank, model.config, args.rows, device)
+        _, loss = model(x, y)
+        if rank == world - 1:
+            loss = loss * float("inf")
+        opt.backward(loss)
+        opt.clip_grad_norm_(CLIP)  # inf norm: must not turn into nan parameters either
+        opt.step()
+        opt.zero_grad()
+    finally:
+        quiet.setLevel(level)
+    after = params_of(model)
+    unchanged = all(torch.equal(before[n], after[n]) for n in before)
+    halved = opt.scaler.scale == FP16_SCALE / 2
+    ok = agree_max(0.0 if unchanged and halved else 1.0, device) == 0.0
+    log(f"{label(stage, False)} fp16  inf loss on rank {world - 1}: step skipped on every rank "
+        f"(scale {FP16_SCALE:g} -> {opt.scaler.scale:g})  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def peak_and_reset(device):
+    """Peak memory since the last call, GiB: CUDA allocator peak, or the process's max RSS
+    on CPU (cumulative over the process's life, so the second number includes the first)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def bench(args, device):
+    """Median step time and peak memory: stage 3 bf16 (model built whole, then sharded, so
+    its peak includes that transient full copy) vs DDP with the reference's bf16 recipe."""
+    rank, preset = dist.get_rank(), args.bench_model
+    cfg = gpt_config(preset)
+    x, y = batch(0, rank, cfg, args.bench_rows, device)
+    results = []
+    for name in ("stage3", "ddp"):
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        peak_and_reset(device)
+        if name == "stage3":
+            model, opt = make_zero(3, "bf16", preset, device)
+            run = lambda: zero_step(model, opt, x, y)  # noqa: E731
+        else:
+            base = build(preset, device)
+            nparams = base.num_params()
+            ref, base = Reference(base, torch.bfloat16, device, 1.0), None
+            run = lambda: ref.step(x, y)  # noqa: E731
+        times = []
+        for i in range(args.bench_steps + 2):  # 2 warm-up steps (allocator, NCCL setup)
+            sync(device)
+            t0 = time.perf_counter()
+            run()
+            sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        results.append((statistics.median(times), peak_and_reset(device)))
+        model = opt = ref = run = None  # free before the next variant
+    (t3, m3), (td, md) = results
+    mem = "peak mem" if device.type == "cuda" else "peak RSS (cumulative)"
+    log(f"bench: {preset} ({nparams / 1e6:.2f}M params, {args.bench_rows}x{cfg.block_size} tokens/rank), "
+        f"stage3 bf16 {t3:.3f} s/step, ddp {td:.3f} s/step, ratio {t3 / td:.2f}x, "
+        f"{mem} {m3:.2f} GiB vs {md:.2f} GiB (rank 0)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo (logic check without a GPU)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=4, help="sequences per rank per step in the checks")
+    ap.add_argument("--bench-model", default=None, help="GPT preset for the benchmark (default 120m, tiny on --cpu)")
+    ap.add_argument("--bench-rows", type=int, default=8)
+    ap.add_argument("--bench-steps", type=int, default=10)
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait (a hang fails fast)")
+    args = ap.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible (use --cpu to check the logic on CPU)")
+    args.bench_model = args.bench_model or ("tiny" if args.cpu else "120m")
+    zerodp.init_distributed(backend="gloo" if args.cpu else None, timeout_s=args.timeout)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    log(f"gpu_check: {dist.get_world_size()} ranks, backend {dist.get_backend()}, device {device.type}, "
+        f"torch {torch.__version__}")
+    # Stage 3 twice: a model built whole and passed in, and one born sharded under
+    # zerodp.init (README's way), so a failure says which of the two paths broke.
+    variants = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+    cases = [(f"{label(s, b)} {p}", check_case, s, b, p) for s, b in variants for p in ("bf16", "fp16")]
+    cases += [(f"{label(s, False)} fp16 overflow", check_overflow_skip, s) for s in (0, 1, 2, 3)]
+    cases += [] if args.no_bench else [("bench", bench)]
+    results = []
+    for name, fn, *fn_args in cases:
+        # An error raised alike on every rank (the usual kind, e.g. a CPU tensor sent on an
+        # NCCL group) fails this case and lets the others run; one raised on some ranks only
+        # leaves the others waiting in a collective until the process group's timeout.
+        try:
+            results.append(fn(*fn_args, args, device) is not False)
+        except Exception as e:  # noqa: BLE001 - reported and counted as a failure
+            print(f"{name}  ERROR on rank {dist.get_rank()}: {type(e).__name__}: {e}", flush=True)
+            results.append(False)
+    failed = results.count(False)
+    log("gpu_check: ALL PASS" if failed == 0 else f"gpu_check: {failed} FAILED")
+    zerodp.shutdown_distributed()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""What the stage 0-2 reducer and the stage-3 engine share: the accumulation boundary, the
+end-of-backward callback, the order reductions are launched in, and starting over after a
+backward that raised.
+
+[Note: end of backward]
+Reductions still waiting when autograd finishes (unused parameters, the last bucket) are
+flushed by a callback queued on autograd's graph task. It must be queued on the *outer*
+task: `torch.utils.checkpoint(..., use_reentrant=True)` runs a nested backward whose
+callbacks fire when that nested pass ends, long before the real one does. So the root
+module's forward registers a hook on its outputs, which fires first in the outer backward
+and queues the callback there; a parameter's hook queues it only if no output hook ran
+(a loss built from something other than the model's outputs).
+
+[Note: failed backward]
+If a backward raises, autograd drops its callbacks, so the schedule is left mid-pass:
+buckets or units half reduced, buffers out of the pool. `optimizer.zero_grad()` starts
+over (waits for what is in flight, returns every buffer, zeroes the gradients), which is
+what the common loop "catch the error, skip the batch" calls; a forward with gradients
+enabled that finds a pass still open raises, naming that fix, rather than silently mixing
+the failed pass's partial gradients into the next step.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .comm import Comm
+
+
+def inside_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class BackwardSchedule:
+    """Accumulation boundary and end-of-backward bookkeeping for one model."""
+
+    def __init__(self, comm: Comm, accumulation_steps: int, reduce_each_micro_batch: bool):
+        self.comm = comm
+        self.accumulation_steps = accumulation_steps
+        self.reduce_each_micro_batch = reduce_each_micro_batch
+        self.micro_step = 0  # backward passes finished since the last step
+        self.grads_ready = False  # the boundary backward has finished reducing
+        self._backward_open = False  # a backward began and its end callback is queued
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.micro_step + 1 >= self.accumulation_steps
+
+    @property
+    def reduces_now(self) -> bool:
+        """Whether this backward reduces gradients (else they accumulate unsharded)."""
+        return self.at_boundary or self.reduce_each_micro_batch
+
+    # -- one backward pass ---------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        """Called by the first hook of a backward pass ([Note: end of backward])."""
+        if self.grads_ready:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: backward ran again after the accumulation boundary "
+                f"(grad_accumulation_steps={self.accumulation_steps}) without optimizer.step(): "
+                f"call step() and zero_grad() first")
+        if not self._backward_open:
+            self._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def watch_outputs(self, output) -> None:
+        """Queue the end-of-backward callback from the model's outputs, in the outer graph task."""
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._output_grad_hook)
+
+    def _output_grad_hook(self, grad):
+        self.begin_backward()
+        return None
+
+    def _end_backward(self) -> None:
+        self._backward_open = False
+        self.finish_backward()
+        if self.at_boundary:
+            self.grads_ready = True
+        self.micro_step += 1
+
+    def finish_backward(self) -> None:
+        """Subclasses: flush and wait for this pass's reductions."""
+        raise NotImplementedError
+
+    def check_no_open_backward(self) -> None:
+        """Called at the start of a training forward ([Note: failed backward])."""
+        if self._backward_open and torch.is_grad_enabled() and not inside_backward():
+            raise RuntimeError(
+                f"rank {self.comm.rank}: the previous backward did not finish (it raised), and its gradients "
+                f"are half reduced: call optimizer.zero_grad() before the next forward, as after any "
+                f"failed step")
+
+    # -- across passes -------------------------------------------------------------------------
+    def agree_on_order(self, order: list[int]) -> list[int]:
+        """Rank 0's order, on every rank: reductions must be issued in one order everywhere."""
+        return list(self.comm.all_gather_object(list(order))[0])
+
+    def after_step(self) -> None:
+        self.micro_step = 0
+        self.grads_ready = False
+
+    def reset(self) -> None:
+        """Start over from no backward ([Note: failed backward]); subclasses release their buffers."""
+        self._backward_open = False
+        self.micro_step = 0
+        self.grads_ready = False

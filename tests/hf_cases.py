@@ -1,0 +1,222 @@
+"""Hugging Face client models (GPT-2, Llama, BERT) trained with zerodp against torch DDP.
+
+Run inside one spawned world per world size (see test_hf_models.py). Every model is
+built from a tiny config, so nothing is downloaded. Each case returns plain numbers; the
+tests assert on them in the parent process.
+"""
+from __future__ import annotations
+
+import os
+
+# Built from configs only: never reach for the Hub (set before transformers is imported).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
+                          LlamaConfig, LlamaForCausalLM)
+from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+
+import zerodp  # noqa: E402
+from core_cases import max_rel_diff, train_reference, train_zerodp  # noqa: E402
+from stage3_cases import full_params, rel  # noqa: E402
+
+STEPS = 3
+VOCAB = 256
+SEQ = 16
+ROWS = 2
+MASK_ID = 4  # BERT: the id written over the positions it has to predict
+PROMPT_LEN, NEW_TOKENS = 6, 5
+
+# Dropout: every probability is set to 0 in the configs and the models stay in training
+# mode (as a DDP user trains them). With dropout on, each mask depends on the global RNG
+# stream at the moment the layer runs, so any extra random draw on one side (a deepcopy,
+# an initialisation path) would change the masks and make the two runs differ for a
+# reason that says nothing about the engine; eval() would also disable it, but would
+# compare a mode nobody trains in. Everything else is HF's default (GPT-2 and BERT tie
+# their output head to the input embedding; Llama does not).
+
+
+def gpt2() -> nn.Module:
+    # bos/eos inside the 256-token vocabulary (GPT-2's default 50256 is not).
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, n_inner=64,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1))
+
+
+def llama() -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                        attention_dropout=0.0))
+
+
+def bert() -> nn.Module:
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=32,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _ids(step: int, rank: int) -> tuple[torch.Generator, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)  # per-rank batch, seeded by (step, rank)
+    return g, torch.randint(5, VOCAB - 1, (ROWS, SEQ), generator=g)
+
+
+def causal_loss(model, step, rank, dtype=torch.float32):
+    _, ids = _ids(step, rank)
+    return model(input_ids=ids, labels=ids).loss  # HF shifts the labels itself
+
+
+def mlm_loss(model, step, rank, dtype=torch.float32):
+    g, ids = _ids(step, rank)
+    pick = torch.rand(ids.shape, generator=g) < 0.3
+    pick[:, 0] = True  # at least one position to predict in every row
+    labels = torch.where(pick, ids, torch.full_like(ids, -100))
+    inputs = torch.where(pick, torch.full_like(ids, MASK_ID), ids)
+    return model(input_ids=inputs, attention_mask=torch.ones_like(ids), labels=labels).loss
+
+
+MODELS = {
+    # name: (builder, loss, its block class for Config.unit_modules)
+    "gpt2": (gpt2, causal_loss, GPT2Block),
+    "llama": (llama, causal_loss, LlamaDecoderLayer),
+    "bert": (bert, mlm_loss, BertLayer),
+}
+
+# Size-based automatic units, on a model whose `_no_split_modules` hint is removed: 4000 is
+# below one block's parameter count (GPT-2 and BERT 8.5k, Llama 10.3k at these sizes) and
+# above every linear layer inside a block (at most 3.2k), so the policy has to climb from
+# the leaf layers to the attention and MLP submodules, pass over the ModuleLists (never
+# called, so never units), and meet the 8k-element embeddings and output heads.
+UNIT_MIN_PARAMS = 4000
+
+
+def adamw(params):
+    return torch.optim.AdamW(list(params), lr=1e-3, weight_decay=0.01)
+
+
+def sgd(params):
+    # No momentum, no decay: the update is lr * gradient, so a gradient that is not divided
+    # by N (summed instead of averaged) moves every parameter N times too far. AdamW would
+    # hide that, being invariant to the scale of the gradient.
+    return torch.optim.SGD(list(params), lr=0.1)
+
+
+def sgd_times(n):
+    return lambda params: torch.optim.SGD(list(params), lr=0.1 * n)
+
+
+def no_hint(builder):
+    def build():
+        model = builder()
+        model._no_split_modules = None  # no HF hint: zerodp falls back to unit_min_params
+        return model
+    return build
+
+
+def _ref_params(ref: nn.Module) -> dict:
+    return {n: p.detach().float().clone() for n, p in ref.named_parameters()}
+
+
+def _checksum(params: dict) -> float:
+    return float(sum(float(v.double().sum()) for v in params.values()))
+
+
+def _loss_diff(losses, ref_losses) -> float:
+    """Largest |a-b| / (1 + |b|) over the steps' losses (about log(256) = 5.5 here)."""
+    assert len(losses) == len(ref_losses) == STEPS
+    return max(abs(a - b) / (1 + abs(b)) for a, b in zip(losses, ref_losses))
+
+
+def _update_rel(got: dict, want: dict, init: dict) -> float:
+    """||zerodp - DDP|| / ||DDP - initial|| over all elements: the error as a fraction of
+    what training moved. The elementwise bound cannot see a lost gradient in bf16 (Adam
+    moves an element by at most lr a step either way, as much as rounding noise can), but
+    this norm can: a whole unit left unchanged would make it O(1)."""
+    num = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in want)
+    den = sum(float((want[n] - init[n]).double().pow(2).sum()) for n in want)
+    return (num / den) ** 0.5
+
+
+def _units_of(opt) -> dict:
+    units = opt.stage3.units
+    return {"names": [u.name for u in units],
+            "types": [type(u.module).__name__ for u in units],
+            "all_run": all(type(u.module).forward is not nn.Module.forward for u in units),
+            "nonempty": sum(1 for u in units[:-1] if not u.empty)}
+
+
+def _initial(builder, dtype) -> dict:
+    """Every rank's starting point (rank 0's values, seed 0), rounded as training starts."""
+    torch.manual_seed(0)
+    return {n: p.detach().to(dtype).float() for n, p in builder().named_parameters()}
+
+
+def _run(builder, loss_of, opt_fn, cfg, rank, ref, ref_losses, init):
+    dtypes = set()
+
+    def loss_and_dtype(model, step, rank):
+        loss = loss_of(model, step, rank)
+        dtypes.add(str(loss.dtype).replace("torch.", ""))  # BERT's MLM loss stays bf16; GPT-2's, Llama's are fp32
+        return loss
+
+    model, opt, losses, _, _ = train_zerodp(builder, opt_fn, cfg, rank, steps=STEPS, loss_of=loss_and_dtype)
+    want = _ref_params(ref)
+    if cfg.stage == 3:
+        got = full_params(model)
+        r = {"params": rel(got, want), "units": _units_of(opt)}
+    else:
+        got = _ref_params(model)
+        r = {"params": max_rel_diff(model, ref)}
+    r.update(loss=_loss_diff(losses, ref_losses), losses=losses, ref_losses=ref_losses, checksum=_checksum(got),
+             update_rel=_update_rel(got, want, init), loss_dtype=",".join(sorted(dtypes)))
+    return model, opt, r
+
+
+def _generate(model, prompt) -> list:
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
+    model.train()
+    return out[0].tolist()
+
+
+def hf_world(rank, world_size):
+    out = {}
+    prompt = torch.randint(5, VOCAB - 1, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+    for name, (builder, loss_of, block) in MODELS.items():
+        for precision in ("fp32", "bf16"):
+            dtype = zerodp.Config(mixed_precision=precision).compute_dtype
+            # One DDP reference per model and precision serves every stage: it is the same run.
+            ref, ref_losses, _ = train_reference(builder, adamw, dtype, rank, steps=STEPS, loss_of=loss_of)
+            init = _initial(builder, dtype)
+            for stage in (1, 2):
+                cfg = zerodp.Config(stage=stage, mixed_precision=precision)
+                _, _, out[(name, precision, stage, "flat")] = _run(builder, loss_of, adamw, cfg, rank, ref,
+                                                                   ref_losses, init)
+            for variant, units in (("auto", ()), ("named", (block,))):
+                cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=units)
+                model, _, r = _run(builder, loss_of, adamw, cfg, rank, ref, ref_losses, init)
+                if variant == "auto" and precision == "fp32" and name != "bert":
+                    # Greedy decoding is discontinuous (an argmax), so it is compared only
+                    # where the two models differ by reduction order alone (fp32, ~1e-7).
+                    r["generated"] = _generate(model, prompt)
+                    r["ref_generated"] = _generate(ref, prompt)
+                out[(name, precision, 3, variant)] = r
+            cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_min_params=UNIT_MIN_PARAMS)
+            _, _, out[(name, precision, 3, "size")] = _run(no_hint(builder), loss_of, adamw, cfg, rank, ref,
+                                                           ref_losses, init)
+    # Plain SGD at stage 3: sensitive to the scale of the reduced gradient.
+    builder, loss_of, _ = MODELS["gpt2"]
+    ref, ref_losses, _ = train_reference(builder, sgd, torch.float32, rank, steps=STEPS, loss_of=loss_of)
+    _, _, r = _run(builder, loss_of, sgd, zerodp.Config(stage=3), rank, ref, ref_losses,
+                   _initial(builder, torch.float32))
+    # What a gradient summed over the N ranks instead of averaged would give: SGD at N x lr.
+    summed, *_ = train_reference(builder, sgd_times(world_size), torch.float32, rank, steps=STEPS, loss_of=loss_of)
+    r["summed_vs_ref"] = max_rel_diff(summed, ref)
+    out[("gpt2", "fp32", 3, "sgd")] = r
+    return out
