@@ -94,8 +94,11 @@ MODELS = {
 UNIT_MIN_PARAMS = 4000
 
 
+LR = 1e-3
+
+
 def adamw(params):
-    return torch.optim.AdamW(list(params), lr=1e-3, weight_decay=0.01)
+    return torch.optim.AdamW(list(params), lr=LR, weight_decay=0.01)
 
 
 def sgd(params):

@@ -7,9 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from harness import run_world  # noqa: E402
-from hf_cases import MODELS, NEW_TOKENS, PROMPT_LEN, STEPS, adamw, hf_world  # noqa: E402
-
-LR = adamw([__import__("torch").zeros(1, requires_grad=True)]).param_groups[0]["lr"]  # 1e-3
+from hf_cases import LR, NEW_TOKENS, PROMPT_LEN, STEPS, hf_world  # noqa: E402
 
 # Parameter errors are |a-b| / (1 + |b|) per element (core_cases.max_rel_diff), the worst
 # over every element. Measured (3 AdamW steps, N = 4; at N = 2 every case is bitwise equal

@@ -70,6 +70,7 @@ class Stage3Engine(BackwardSchedule):
         # until the first reducing backward has shown the real order (`_adopt_done_order`).
         self.reduce_order = list(reversed(range(self.root))) + [self.root]
         self._done_order: Optional[list[int]] = []
+        self._order_guessed = False
         self.gathered_peak_nbytes = 0
         self._on_cpu = units[-1].shard.device.type == "cpu"
         for ui, unit in enumerate(units):
@@ -171,6 +172,8 @@ class Stage3Engine(BackwardSchedule):
                 for t in tree_flatten(output)[0]:
                     if torch.is_tensor(t) and t.requires_grad:
                         t.register_hook(self._make_pre_backward(ui))
+            if ui == self.root and training and self._done_order == [] and not self._order_guessed:
+                self._guess_reduce_order()
             if self.config.reshard_after_forward or not training:
                 self.units[ui].reshard()
             if ui == self.root:
@@ -280,6 +283,14 @@ class Stage3Engine(BackwardSchedule):
             self._recording = False
         self._reset_backward_state()
 
+    def _guess_reduce_order(self) -> None:
+        """Before the first backward: units finish backward roughly in reverse forward
+        order, a better guess than reverse registration order for a model that registers
+        its modules in another order than it runs them (rank 0's, as everywhere)."""
+        self._order_guessed = True
+        guess = self.agree_on_order([ui for ui in reversed(self.forward_order) if ui != self.root])
+        self.reduce_order = guess + [ui for ui in self.reduce_order if ui not in set(guess)]
+
     def _adopt_done_order(self) -> None:
         """After the first reducing backward, reduce units in the order their gradients
         were done (rank 0's, the same collectives on every rank), as DDP rebuilds its
@@ -347,6 +358,8 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
         if (idx or ui == len(units) - 1) and ui not in built:
             build(ui)
     flat_units = [built[ui] for ui in sorted(built)]
+    if born_sharded:
+        _check_same_initialisation(flat_units, comm)
     for u in flat_units:
         u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
     sharded = {id(p) for u in flat_units for p in u.params}
@@ -369,6 +382,23 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
     log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(flat_units),
              ", ".join(u.name for u in flat_units[:4]) + (" ..." if len(flat_units) > 4 else ""))
     return model, opt
+
+
+def _check_same_initialisation(units: list[FlatUnit], comm: Comm) -> None:
+    """Born sharded, each rank keeps the shard of values it drew itself; with per-rank seeds
+    (`torch.manual_seed(seed + rank)`, common in data-loading code) the shards would come
+    from different models. Every rank compares the units' fingerprints with rank 0's."""
+    mine = [u.init_fingerprint for u in units]
+    everyone = comm.all_gather_object(mine)
+    differ = sorted({(r, units[i].name) for r, theirs in enumerate(everyone) for i, (a, b) in enumerate(zip(theirs, everyone[0]))
+                     if any(abs(x - y) > 1e-9 * (1.0 + abs(y)) for x, y in zip(a, b))})
+    if differ:
+        ranks = sorted({r for r, _ in differ})
+        names = sorted({n for _, n in differ})
+        raise RuntimeError(f"rank {comm.rank}: a model built under zerodp.init was initialised differently on ranks "
+                           f"{ranks} than on rank 0 (units {names[:3]}): every rank must seed its generator the same "
+                           f"(torch.manual_seed(seed), not seed + rank) before building the model; seed per rank "
+                           f"only after zerodp.initialize")
 
 
 @contextlib.contextmanager

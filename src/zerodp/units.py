@@ -134,6 +134,10 @@ class FlatUnit:
         full_fp32 = self.layout.flatten(params, torch.float32, device)
         if sync_from_rank0 and not self.empty:  # every rank starts from rank 0's values, as DDP does
             comm.broadcast(full_fp32, 0, "init")
+        # Born sharded, each rank initialised the unit from its own generator: a fingerprint
+        # of the full values lets `shard_model` check that all ranks drew the same ones.
+        self.init_fingerprint = None if sync_from_rank0 else (
+            float(full_fp32.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(full_fp32, dtype=torch.float64)))
         chunk = self.layout.chunk(0, self.rank)
         own = full_fp32[chunk.flat_start: chunk.flat_start + chunk.numel]
         # Long-lived, so outside the C heap: [Note: long-lived host buffers] in hostmem.py.

@@ -1,0 +1,390 @@
+"""Paths real training loops take, each against DDP (or a stated error): run inside one
+spawned world per world size (see test_trust.py). Cases return plain data."""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import zerodp
+from core_cases import SMALL_BUCKET, Net, _error_of, batch, loss_fn, max_rel_diff, train_reference, train_zerodp
+from stage3_cases import full_params, gpt_loss, gpt_tiny, rel
+from zerodp.memory import formula_bytes, live_tensor_storages
+from zerodp.models import Block
+
+STEPS = 4
+
+
+def sgd(params):
+    # Plain SGD: its step is proportional to the gradient, so a wrong scale (a missing /N or
+    # /k, a loss scale not undone) moves parameters by as much as the step itself.
+    return torch.optim.SGD(list(params), lr=0.05)
+
+
+def adamw(params):
+    return torch.optim.AdamW(list(params), lr=1e-2, weight_decay=0.1)
+
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+class Blk(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Stack(nn.Module):
+    """Blocks with a point where backward can be made to raise halfway through."""
+
+    def __init__(self, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(7, width)
+        self.blocks = nn.ModuleList([Blk(width) for _ in range(depth)])
+        self.out = nn.Linear(width, 5)
+        self.fail = False
+        self.reentrant = None  # None: no checkpointing; True/False: use_reentrant of the middle blocks
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if self.reentrant is not None and 0 < i < len(self.blocks) - 1:
+                h = checkpoint(b, h, use_reentrant=self.reentrant)
+            else:
+                h = b(h)
+            if self.fail and i == len(self.blocks) // 2:
+                h = _Raise.apply(h)  # the blocks after it have their gradients, those before do not
+        return self.out(h)
+
+
+def stack_cfg(stage: int, **kw) -> zerodp.Config:
+    return zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET, unit_modules=(Blk,), **kw)
+
+
+def failed_backward(rank, world_size):
+    """Step 1's backward raises halfway; the loop catches it, calls zero_grad and goes on.
+    The result equals DDP that skipped batch 1; the engine holds nothing of the failed pass."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for opt_name, opt_fn in (("sgd", sgd), ("adamw", adamw)):
+            ref = _reference_skipping(opt_fn, rank, skip=1)
+            torch.manual_seed(0)
+            model, opt = zerodp.initialize(Stack(), opt_fn, stack_cfg(stage))
+            caught, forgot = None, None
+            for step in range(STEPS):
+                x, y = batch(step, rank)
+                model.fail = step == 1
+                loss = loss_fn(model(x), y)
+                try:
+                    opt.backward(loss)
+                except RuntimeError as e:
+                    caught = str(e)
+                    model.fail = False
+                    # Forgetting zero_grad is named, not silently mixed into the next step.
+                    forgot = _error_of(lambda: model(x))
+                    opt.zero_grad()
+                    continue
+                opt.step()
+                opt.zero_grad()
+            rec = {"caught": caught, "forgot": forgot, "vs_ddp": vs(model, ref)}
+            if stage == 3:
+                pool = opt.stage3.pool
+                rec["all_freed"] = (all(u.full is None and u.grad_full is None for u in opt.stage3.units)
+                                    and sum(b.numel() * b.element_size() for b in pool.free) == pool.allocated_nbytes)
+            out[(stage, opt_name)] = rec
+    return out
+
+
+def _reference_skipping(opt_fn, rank, skip):
+    """DDP's side of failed_backward: batch `skip` is dropped, with no step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = Stack()
+    ddp = DDP(model)
+    opt = opt_fn(model.parameters())
+    for step in range(STEPS):
+        if step == skip:
+            continue
+        x, y = batch(step, rank)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def vs(model, ref) -> float:
+    """max_rel_diff of a zerodp model's full parameters (gathered at stage 3) and a reference's."""
+    return rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()})
+
+
+def reentrant_checkpointing(rank, world_size):
+    """torch.utils.checkpoint with use_reentrant=True runs a nested backward; both modes equal
+    DDP without checkpointing (recomputation gives the same values)."""
+    out = {}
+    ref, *_ = train_reference(Stack, sgd, torch.float32, rank, steps=3)
+    for stage in (0, 1, 2, 3):
+        for reentrant in (True, False):
+            def build(reentrant=reentrant):
+                m = Stack()
+                m.reentrant = reentrant
+                return m
+            model, opt, *_ = train_zerodp(build, sgd, stack_cfg(stage), rank, steps=3)
+            out[(stage, reentrant)] = vs(model, ref)
+    return out
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.tensor([1.001, 0.5]))
+
+    def forward(self, x):
+        return self.lin(x) * self.inv_freq[0]
+
+
+def dtype_policy(rank, world_size):
+    out = {}
+    for stage in (2, 3):
+        model, opt = zerodp.initialize(WithBuffer(), torch.optim.SGD, zerodp.Config(stage=stage, mixed_precision="bf16"),
+                                       lr=0.1)
+        out[f"buffer_stage{stage}"] = (str(model.inv_freq.dtype), float(model.inv_freq[0]))
+        model.lin.bias.requires_grad_(False)  # frozen after initialize
+        opt.backward(model(torch.ones(2, 4)).float().sum())
+        out[f"frozen_late_stage{stage}"] = _error_of(opt.step)
+    wide = WithBuffer()
+    wide.lin.weight.data = wide.lin.weight.data.double()
+    out["float64"] = _error_of(lambda: zerodp.initialize(wide, torch.optim.SGD, zerodp.Config(stage=2), lr=0.1))
+    model, opt = zerodp.initialize(Net(), torch.optim.SGD, zerodp.Config(stage=2), lr=0.1)
+    out["add_param_group"] = _error_of(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
+    return out
+
+
+def optimizer_probe(rank, world_size):
+    """Which optimizers are accepted: by behaviour (elementwise or not), not by name."""
+    out = {}
+    candidates = {
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+        "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+        "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-3),
+        "LBFGS": lambda ps: torch.optim.LBFGS(ps),
+        "Adafactor": lambda ps: torch.optim.Adafactor(ps),
+        "Muon": lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2]),
+    }
+    for name, make in candidates.items():
+        def build(make=make):
+            model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+            if name == "Muon":  # Muon takes 2-D matrices only: biases frozen
+                for m in model:
+                    m.bias.requires_grad_(False)
+            return zerodp.initialize(model, make, zerodp.Config(stage=2))
+        out[name] = _error_of(build)
+    return out
+
+
+class Reversed(nn.Module):
+    """Layers registered in the reverse of the order they run: the input layer last."""
+
+    def __init__(self, depth: int = 12, width: int = 64):
+        super().__init__()
+        self.width = width
+        for i in reversed(range(depth)):
+            self.add_module(f"layer{i}", Blk(width))
+        self.depth = depth
+
+    def forward(self, x):
+        for i in range(self.depth):
+            x = getattr(self, f"layer{i}")(x)
+        return x
+
+
+def registration_order(rank, world_size):
+    """Reductions follow the order backward really finishes, not registration order: the
+    stage-3 pool stays a few units large instead of holding every unit's gradients."""
+    out = {}
+    width = 64
+
+    def loss_of(model, step, r, dtype=torch.float32):
+        g = torch.Generator().manual_seed(10 * step + r)
+        return model(torch.randn(4, width, generator=g)).pow(2).mean()
+
+    ref, *_ = train_reference(Reversed, sgd, torch.float32, rank, steps=3, loss_of=loss_of)
+    model, opt, *_ = train_zerodp(Reversed, sgd, zerodp.Config(stage=3, unit_modules=(Blk,)), rank, steps=3,
+                                  loss_of=loss_of)
+    unit = opt.stage3.units[0]
+    pool = opt.stage3.pool.allocated_nbytes  # before vs() gathers every unit at once
+    out["stage3"] = {"vs_ddp": vs(model, ref), "pool": pool,
+                     "unit_nbytes": unit.full_nbytes, "units": len(opt.stage3.units) - 1}
+    bucket = (width * width + width) * 4  # one layer per bucket
+    model, opt, *_ = train_zerodp(Reversed, sgd, zerodp.Config(stage=2, bucket_bytes=bucket), rank, steps=3,
+                                  loss_of=loss_of)
+    # Launch order after the first backward: buckets of layer5 (runs last, finishes backward
+    # first) ... layer0; the flat layout starts with layer0 (registered last).
+    out["stage2"] = {"vs_ddp": max_rel_diff(model, ref),
+                     "launch_starts": [b.group.layout.segments[b.seg_index].start for b in opt.grad_sync.buckets]}
+    return out
+
+
+def born_with_rank_seeds(rank, world_size):
+    cfg = zerodp.Config(stage=3, unit_modules=[Block])
+    torch.manual_seed(1234 + rank)  # the data-loading habit, applied too early
+    with zerodp.init(cfg):
+        model = gpt_tiny()
+    return _error_of(lambda: zerodp.initialize(model, torch.optim.SGD, cfg, lr=0.1))
+
+
+def fp16_paths(rank, world_size):
+    out = {}
+    # Plain loss.backward() under a loss scale: refused at step, not divided silently.
+    model, opt = zerodp.initialize(Net(), sgd, zerodp.Config(stage=2, mixed_precision="fp16"))
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+    out["plain_backward"] = _error_of(opt.step)
+    # With a loss scale of 1 there is nothing to undo: plain backward is fine.
+    model, opt = zerodp.initialize(Net(), sgd, zerodp.Config(stage=2, mixed_precision="fp16", loss_scale=1.0))
+    loss_fn(model(x), y).backward()
+    out["plain_backward_scale1"] = _error_of(opt.step)
+    # fp16 parity against DDP doing the same fixed-scale recipe by hand.
+    for stage in (0, 1, 2, 3):
+        cfg = zerodp.Config(stage=stage, mixed_precision="fp16", loss_scale=1024.0, bucket_bytes=SMALL_BUCKET,
+                            unit_modules=(nn.Linear,))
+        ref = _fp16_reference(rank)
+        model, *_ = train_zerodp(Net, sgd, cfg, rank)
+        out[("fp16", stage)] = vs(model, ref)
+    return out
+
+
+def _fp16_reference(rank, scale=1024.0, steps=5):
+    """DDP over an fp16 copy, fp32 master, loss multiplied by `scale` and gradients divided;
+    returns the fp16 copy (what zerodp's model holds)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    master = Net()
+    compute = Net()
+    compute.load_state_dict(master.state_dict())
+    compute.half()
+    ddp = DDP(compute)
+    opt = sgd(master.parameters())
+    for step in range(steps):
+        x, y = batch(step, rank)
+        (loss_fn(ddp(x.half()), y) * scale).backward()
+        for m, c in zip(master.parameters(), compute.parameters()):
+            m.grad = c.grad.float() / scale
+        opt.step()
+        opt.zero_grad()
+        compute.zero_grad()
+        with torch.no_grad():
+            for m, c in zip(master.parameters(), compute.parameters()):
+                c.copy_(m)
+    return compute
+
+
+def sgd_stage3_grid(rank, world_size):
+    """Plain SGD at stage 3: accumulation in both modes, and bf16 reduced in fp32."""
+    out = {}
+    for precision, reduce_dtype in (("fp32", None), ("bf16", "fp32"), ("bf16", None)):
+        dtype = zerodp.config.DTYPES[precision]
+        ref, *_ = train_reference(gpt_tiny, sgd, dtype, rank, steps=STEPS, loss_of=gpt_loss)
+        want = {n: p.detach().float() for n, p in ref.named_parameters()}
+        for k, each in ((1, True), (2, True), (2, False)):
+            cfg = zerodp.Config(stage=3, unit_modules=[Block], mixed_precision=precision, reduce_dtype=reduce_dtype,
+                                grad_accumulation_steps=k, reduce_each_micro_batch=each)
+            model, *_ = train_zerodp(gpt_tiny, sgd, cfg, rank, steps=STEPS, loss_of=gpt_loss, micro_batches=k)
+            out[(precision, reduce_dtype, k, each)] = rel(full_params(model), want)
+    return out
+
+
+def memory_ledger(rank, world_size):
+    """The measured ledger against the formula (at every stage, precision and accumulation
+    mode, between micro-batches and after the step) and its total against a census of every
+    live tensor in the process made by the garbage collector."""
+    out = {}
+    for precision, pbytes, master in (("fp32", 4, 0), ("bf16", 2, 4)):
+        for stage in (0, 1, 2, 3):
+            for each in ((True, False) if stage >= 2 else (True,)):
+                cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_modules=[Block],
+                                    grad_accumulation_steps=2, reduce_each_micro_batch=each)
+                out[(precision, stage, each)] = _ledger_and_census(cfg, pbytes, master, world_size)
+    return out
+
+
+def _ledger_and_census(cfg, pbytes, master, world_size):
+    gc.collect()
+    model = gpt_tiny()
+    # The storages (not the tensors: a parameter's .data is swapped) are held, so no address
+    # of theirs can be reused by what initialize allocates.
+    baseline = [o.untyped_storage() for o in gc.get_objects() if torch.is_tensor(o) and not o.is_meta]
+    before = {(st.data_ptr(), st.device) for st in baseline}
+    model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-3)
+    _micro_batches(model, opt, steps=1)
+    after_step = opt.memory_report()
+    _micro_batches(model, opt, steps=0, partial=True)  # micro-batch 1 of 2 of the next step
+    mid = opt.memory_report()
+    grads = [p.grad for p in model.parameters()]  # autograd's own gradients get a Python tensor
+    gc.collect()
+    live = {k: v for k, v in live_tensor_storages().items() if k not in before}
+    del grads
+    padded = mid.padded_numel
+    expect = formula_bytes(cfg.stage, padded, world_size, pbytes, pbytes, master, 8)
+    # reduce_each_micro_batch=False: stage 2 keeps autograd's own gradients (unpadded),
+    # stage 3 each unit's padded gradient buffer, until the last micro-batch.
+    held_unsharded = (0 if cfg.reduce_each_micro_batch or cfg.stage < 2
+                      else (mid.numel if cfg.stage == 2 else padded) * pbytes)
+    del baseline
+    return {"after_step": {k: getattr(after_step, k) for k in expect}, "expect": expect,
+            "mid": {k: getattr(mid, k) for k in expect}, "held_unsharded": held_unsharded,
+            "other": dict(mid.other_by_owner), "ledger_total": mid.total, "census_total": sum(live.values())}
+
+
+def _micro_batches(model, opt, steps, partial=False):
+    for step in range(steps):
+        for micro in range(2):
+            opt.backward(gpt_loss(model, step, 0, micro=micro, micro_batches=2))
+        opt.step()
+        opt.zero_grad()
+    if partial:
+        opt.backward(gpt_loss(model, 9, 0, micro=0, micro_batches=2))
+
+
+class Outside(nn.Module):
+    """Uses a unit's layer again after the unit's forward has ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Blk()
+        self.b = Blk()
+
+    def forward(self, x):
+        return self.a.lin(self.b(self.a(x)))
+
+
+def sharded_use(rank, world_size):
+    model, opt = zerodp.initialize(Outside(), sgd, zerodp.Config(stage=3, unit_modules=(Blk,)))
+    return _error_of(lambda: model(torch.ones(2, 16)))
+
+
+def trust_world(rank, world_size):
+    out = {"failed": failed_backward(rank, world_size), "reentrant": reentrant_checkpointing(rank, world_size),
+           "dtype": dtype_policy(rank, world_size), "probe": optimizer_probe(rank, world_size),
+           "order": registration_order(rank, world_size), "fp16": fp16_paths(rank, world_size),
+           "sgd3": sgd_stage3_grid(rank, world_size), "memory": memory_ledger(rank, world_size),
+           "sharded_use": sharded_use(rank, world_size)}
+    if world_size > 1:
+        out["rank_seeds"] = born_with_rank_seeds(rank, world_size)
+    return out
