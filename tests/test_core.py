@@ -9,10 +9,13 @@ from harness import run_world
 # (bucket sizes differ), a few ulps (1.2e-7 each) per step; 5 Adam/SGD steps keep every
 # element within 1e-6.
 FP32_TOL = 1e-6
-# bf16 keeps 8 significant bits (ulp 2^-8 relative, 2^-7 = 7.8e-3 at 1.0): a sum of N bf16
-# gradients in another order may round one ulp apart, and a parameter may land one ulp
-# away after a few steps.
-BF16_TOL = 1e-2
+# bf16 keeps 8 significant bits: a parameter in [0.5, 1) that lands on the neighbouring
+# bf16 value is 2^-8 = 3.9e-3 away (the error metric divides by 1 + |b|, so never more).
+# Summing N bf16 gradients in another order (N=4) moves some elements by one ulp; measured
+# worst: 1.6e-3 on this grid's parameters, 2.3e-3 on the stage-3 GPT, 2.8e-3 on eval outputs
+# (all N=4; N=2 sums are order-free and bitwise equal). 5e-3 admits one ulp, not two; a
+# wrong gradient scale is caught by the plain-SGD grids (test_trust.BF16_SGD_TOL).
+BF16_TOL = 5e-3
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"N{n}")

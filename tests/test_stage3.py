@@ -77,12 +77,19 @@ def test_comm_volume_three_psi(world):
     assert nr["volume"] == 2 * nr["padded"]
 
 
+# The hard cases run the batch's two halves as two forwards before one backward, DDP as
+# one forward over both (DDP allows one forward per backward): in bf16 the two batchings
+# of the matmuls round differently, and Adam at lr 1e-2 turns a sign flip of a near-zero
+# gradient into a step of up to lr. Measured 8.2e-3 (N=1) over 4 steps; bounded by lr.
+HARD_BF16_TOL = 1e-2
+
+
 def test_hard_cases(world):
     n, results = world
     for r in results:
         for precision in ("fp32", "bf16"):
             h = r["hard"][precision]
-            tol = FP32_TOL if precision == "fp32" else BF16_TOL
+            tol = FP32_TOL if precision == "fp32" else HARD_BF16_TOL
             assert h["vs_ddp"] <= tol, (n, precision, h["vs_ddp"])
             assert h["unused_unchanged"] and h["frozen_unchanged"] and h["tied"] and h["buffer_ok"]
             assert h["eval_rel"] <= tol
