@@ -147,3 +147,19 @@ def test_automatic_units_are_modules_that_run():
     assert [n for n, _ in select_units(model, (), 10_000)] == [""]
     with pytest.raises(ValueError, match="containers that are never called"):
         select_units(model, (nn.ModuleList,), 1)
+
+
+def test_review_cases(world):
+    n, results = world
+    for r in results:
+        v = r["review"]
+        for stage in (0, 2, 3):  # a gradient w.r.t. inputs only is not a micro-batch
+            assert v[("input_grad", stage)] <= FP32_TOL, (n, stage, v[("input_grad", stage)])
+            shared = v[("shared_reentrant", stage)]  # right, or a named error: never silently wrong
+            assert (isinstance(shared, float) and shared <= FP32_TOL) or "use use_reentrant=False" in shared, shared
+        assert v["shared_module"] <= FP32_TOL
+        for stage in (0, 3):
+            assert v[("dataclass_out", stage)] <= FP32_TOL, (stage, v[("dataclass_out", stage)])
+        assert v["batchnorm_bf16"] == "torch.bfloat16"
+        assert v[("stray", 2)] == {"GradReducer.stray": 4000} and v[("stray", 3)] == {"Stage3Engine.stray": 4000}
+        assert v["probe_hooks"] == 0

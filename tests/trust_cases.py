@@ -2,10 +2,12 @@
 spawned world per world size (see test_trust.py). Cases return plain data."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 import zerodp
@@ -384,7 +386,93 @@ def trust_world(rank, world_size):
            "dtype": dtype_policy(rank, world_size), "probe": optimizer_probe(rank, world_size),
            "order": registration_order(rank, world_size), "fp16": fp16_paths(rank, world_size),
            "sgd3": sgd_stage3_grid(rank, world_size), "memory": memory_ledger(rank, world_size),
-           "sharded_use": sharded_use(rank, world_size)}
+           "sharded_use": sharded_use(rank, world_size), "review": review_cases(rank, world_size)}
     if world_size > 1:
         out["rank_seeds"] = born_with_rank_seeds(rank, world_size)
+    return out
+
+
+class SharedBlocks(Stack):
+    """One Blk instance used at two depths (ALBERT-style sharing), and, optionally, held by
+    two parents so that it is shared between two units."""
+
+    def __init__(self, checkpointed: bool = False):
+        super().__init__(depth=2)
+        self.shared = Blk()
+        self.blocks[0].extra = self.shared  # a second path to the same module
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in (self.blocks[0], self.shared, self.blocks[1], self.shared):
+            h = checkpoint(b, h, use_reentrant=True) if self.checkpointed else b(h)
+        return self.out(h)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    note: str = "a dataclass pytree does not know"
+
+
+class DataclassOut(Stack):
+    def forward(self, x):
+        return Output(super().forward(x))
+
+
+def input_grad_then_step(model, step, rank, dtype=torch.float32):
+    """FGSM-style: a gradient with respect to the input first (no parameter gets one), then
+    the real loss on the perturbed input."""
+    x, y = batch(step, rank)
+    x = x.to(dtype).requires_grad_()
+    (gx,) = torch.autograd.grad(loss_fn(model(x), y), x)
+    return loss_fn(model((x + 0.01 * gx.sign()).detach()), y)
+
+
+def review_cases(rank, world_size):
+    out = {}
+    # A backward that reaches the outputs but no parameter is not a micro-batch.
+    ref, *_ = train_reference(Stack, sgd, torch.float32, rank, steps=3, loss_of=input_grad_then_step)
+    for stage in (0, 2, 3):
+        model, *_ = train_zerodp(Stack, sgd, stack_cfg(stage), rank, steps=3, loss_of=input_grad_then_step)
+        out[("input_grad", stage)] = vs(model, ref)
+    # A module shared by two units belongs to the unit enclosing both (here the root).
+    ref, *_ = train_reference(SharedBlocks, sgd, torch.float32, rank, steps=3)
+    model, opt, *_ = train_zerodp(SharedBlocks, sgd, stack_cfg(3), rank, steps=3)
+    out["shared_module"] = vs(model, ref)
+    # The same shared block inside two reentrant checkpoints: right, or a named error; never wrong.
+    for stage in (0, 2, 3):
+        try:
+            model, *_ = train_zerodp(lambda: SharedBlocks(checkpointed=True), sgd, stack_cfg(stage), rank, steps=3)
+            out[("shared_reentrant", stage)] = vs(model, ref)
+        except RuntimeError as e:
+            out[("shared_reentrant", stage)] = str(e)
+    # Outputs pytree does not know (a dataclass) still end the backward right.
+    ref, *_ = train_reference(Stack, sgd, torch.float32, rank, steps=3)
+    for stage in (0, 3):
+        def build():
+            m = DataclassOut()
+            m.reentrant = True
+            return m
+        model, *_ = train_zerodp(build, sgd, stack_cfg(stage), rank, steps=3,
+                                 loss_of=lambda m, step, r: loss_fn(m(batch(step, r)[0]).logits, batch(step, r)[1]))
+        out[("dataclass_out", stage)] = vs(model, ref)
+    # BatchNorm under bf16 needs its running statistics in bf16: cast_buffers.
+    bn = lambda: nn.Sequential(nn.Linear(7, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))  # noqa: E731
+    model, opt = zerodp.initialize(bn(), sgd, zerodp.Config(stage=2, mixed_precision="bf16", cast_buffers=True))
+    x, y = batch(0, rank)
+    opt.backward(loss_fn(model(x), y))
+    opt.step()
+    out["batchnorm_bf16"] = str(model[1].running_mean.dtype)
+    # The ledger walks the engine: a stray tensor held by it is reported under `other`.
+    for stage in (2, 3):
+        model, opt = zerodp.initialize(Stack(), sgd, stack_cfg(stage))
+        opt.grad_sync.stray = torch.zeros(1000)
+        out[("stray", stage)] = dict(opt.memory_report().other_by_owner)
+    # initialize's optimizer probe runs no user-visible step hook.
+    fired = []
+    handle = register_optimizer_step_pre_hook(lambda *a: fired.append(1))
+    zerodp.initialize(Stack(), adamw, stack_cfg(2))
+    handle.remove()
+    out["probe_hooks"] = len(fired)
     return out

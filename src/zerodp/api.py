@@ -79,28 +79,34 @@ def replicate_from_rank0(model: nn.Module, comm: Comm, skip: set) -> None:
 
 
 @torch.no_grad()
-def apply_compute_dtype(model: nn.Module, dtype: torch.dtype, skip: set) -> None:
+def apply_compute_dtype(model: nn.Module, dtype: torch.dtype, skip: set, cast_buffers: bool) -> None:
     """Replicated fp32 parameters (those not in `skip`, i.e. frozen ones) take the compute
-    dtype, and so do floating inputs of the model's forward. Buffers keep their dtype, as
-    under FSDP2's MixedPrecisionPolicy: a buffer is state the model computes with on its own
-    terms (a rotary `inv_freq` kept in fp32, a running mean), not a weight to round."""
+    dtype, and so do floating inputs of the model's forward. Buffers keep their dtype unless
+    `cast_buffers`, as under FSDP2's MixedPrecisionPolicy: a buffer is state the model
+    computes with on its own terms (a rotary `inv_freq` kept in fp32), not a weight to round."""
     for p in model.parameters():
         if id(p) not in skip and p.dtype == torch.float32:
             p.data = p.data.to(dtype)
+    if cast_buffers:
+        for m in model.modules():
+            for name, b in m.named_buffers(recurse=False):
+                if b.is_floating_point():
+                    setattr(m, name, b.to(dtype))
     if dtype != torch.float32:
         model.register_forward_pre_hook(_cast_forward_inputs(dtype), with_kwargs=True)
 
 
 def check_param_dtypes(named: list, config: Config) -> None:
     """Trainable parameters are fp32 (the master's dtype) or already in the compute dtype;
-    any other dtype would be rounded silently into the flat buffers."""
+    any other would silently be rounded (float64) or change dtype (bf16 under fp32) in the
+    flat buffers."""
     allowed = {torch.float32, config.compute_dtype}
     bad = [(n, p.dtype) for n, p in named if p.dtype not in allowed]
     if bad:
         shown = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in bad[:3])
         raise TypeError(f"trainable parameters {shown}{' ...' if len(bad) > 3 else ''} are neither float32 nor "
                         f"the compute dtype of Config.mixed_precision={config.mixed_precision!r}: zerodp keeps "
-                        f"an fp32 master and computes in {config.compute_dtype}, so they would be rounded. Cast "
+                        f"an fp32 master and computes in {config.compute_dtype}, so they would be rounded or change dtype. Cast "
                         f"them (model.float()) or freeze them (requires_grad_(False)) before zerodp.initialize")
 
 
@@ -145,7 +151,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
 
     trainable = {id(p) for _, p in named}
     replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
-    apply_compute_dtype(model, config.compute_dtype, skip=trainable)
+    apply_compute_dtype(model, config.compute_dtype, skip=trainable, cast_buffers=config.cast_buffers)
     dtype = config.compute_dtype
 
     # Backward finishes parameters roughly in reverse registration order; laying each group

@@ -41,6 +41,12 @@ class Config:
     """Compute dtype of the model's parameters: "fp32", "bf16" or "fp16". With bf16/fp16 the
     optimizer updates an fp32 master copy of each rank's shard."""
 
+    cast_buffers: bool = False
+    """bf16/fp16: also cast the model's floating buffers to the compute dtype. Off, buffers
+    keep their dtype, as FSDP2's MixedPrecisionPolicy does (a rotary `inv_freq` stays
+    exact); turn it on for a model whose buffers meet 16-bit weights in one op without a
+    cast of their own (nn.BatchNorm's running statistics, an additive positional table)."""
+
     reduce_dtype: Union[str, None] = None
     """Dtype in which gradients are reduced and the owned gradient shard is kept; None means
     the compute dtype (2 bytes per element under bf16, as the paper counts). "fp32" sums in
@@ -66,8 +72,9 @@ class Config:
     full, overlapping the rest of backward; False waits for each reduction in place."""
 
     grad_accumulation_steps: int = 1
-    """Micro-batches per optimizer step; gradients are communicated only at the last one,
-    and `optimizer.backward(loss)` divides the loss by this number."""
+    """Micro-batches per optimizer step; `optimizer.backward(loss)` divides the loss by this
+    number. Stages 0-1 communicate at the last micro-batch only; stages 2-3 per
+    `reduce_each_micro_batch`."""
 
     reduce_each_micro_batch: bool = True
     """Stage 2-3 with grad_accumulation_steps > 1: reduce-scatter every micro-batch's
@@ -119,7 +126,7 @@ class Config:
         _positive_int("unit_min_params", self.unit_min_params)
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
-        for name in ("overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug"):
+        for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
         units = self.unit_modules

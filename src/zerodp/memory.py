@@ -104,12 +104,16 @@ def walk_tensors(root) -> Iterator[tuple[str, torch.Tensor]]:
                 stack.append((holder, v))
         elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
             stack.extend((holder, v) for v in obj)
+        elif isinstance(obj, nn.Module):
+            continue
+        elif type(obj).__module__.startswith("zerodp") and hasattr(obj, "__dict__"):
+            # zerodp's own objects first: the ZeroOptimizer is also a torch Optimizer, and
+            # everything it holds (reducer, engine, units, pools) must be walked.
+            for name, v in vars(obj).items():
+                stack.append((f"{type(obj).__name__}.{name}", v))
         elif isinstance(obj, torch.optim.Optimizer):
             stack.append((f"{type(obj).__name__}.state", obj.state))
             stack.append((f"{type(obj).__name__}.param_groups", obj.param_groups))
-        elif not isinstance(obj, nn.Module) and type(obj).__module__.startswith("zerodp") and hasattr(obj, "__dict__"):
-            for name, v in vars(obj).items():
-                stack.append((f"{type(obj).__name__}.{name}", v))
 
 
 def live_tensor_storages() -> dict:

@@ -5,7 +5,8 @@ The user's optimizer is built on the model's own parameters (so its param groups
 hyperparameters are the user's), then each group's parameters are swapped for the fp32
 master tensors of this rank's shard of that group. Its `step()` therefore only ever sees
 the owned 1/N of every state (ZeRO, arXiv 1910.02054, §5.1). This works for any
-optimizer whose update is elementwise (all of torch.optim but LBFGS and Adafactor).
+optimizer whose update is elementwise, which `check_elementwise` tests at initialize
+(LBFGS, Adafactor and Muon are refused).
 
 Master weights: with mixed_precision="fp32" the owned chunks of the parameters are their
 own master (views, no copy); with bf16/fp16 each shard has one contiguous fp32 master,
@@ -49,14 +50,21 @@ def check_elementwise(inner: torch.optim.Optimizer) -> None:
     whole = start.clone().to(device).requires_grad_()
     halves = [start.reshape(-1)[:10].clone().to(device).requires_grad_(),
               start.reshape(-1)[10:].clone().to(device).requires_grad_()]
+    try:
+        on_whole = cls([{"params": [whole], **hyper}])
+    except Exception as e:  # a constructor that needs more than a param group: cannot probe
+        log.warning("cannot check that %s is elementwise (building it from a param group raised %s: %s); "
+                    "zerodp assumes it is", cls.__name__, type(e).__name__, e)
+        return
+    step = getattr(cls.step, "__wrapped__", cls.step)  # without torch's step hooks: not a user step
     why = None
     try:
-        on_whole, on_halves = cls([{"params": [whole], **hyper}]), cls([{"params": halves, **hyper}])
+        on_halves = cls([{"params": halves, **hyper}])  # 1-D pieces, as a shard holds them
         for g in grads:
             whole.grad = g.clone().to(device)
             halves[0].grad, halves[1].grad = (t.clone().to(device) for t in (g.reshape(-1)[:10], g.reshape(-1)[10:]))
-            on_whole.step()
-            on_halves.step()
+            step(on_whole)
+            step(on_halves)
         diff = float((torch.cat([h.detach().reshape(-1) for h in halves]) - whole.detach().reshape(-1)).abs().max())
         if not diff <= 1e-6:
             why = f"stepping a tensor's pieces gives another result than stepping the tensor (max difference {diff:.3g})"

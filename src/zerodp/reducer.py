@@ -3,21 +3,24 @@
 Each optimizer param group becomes one `FlatParamGroup` (see [Note: flat layout] in
 flat.py). A segment of the flat buffer is the communication bucket: it is reduced as soon
 as every parameter overlapping it has its gradient accumulated
-(`Tensor.register_post_accumulate_grad_hook`), only on the backward at the accumulation
-boundary. Segments are launched strictly in one fixed order, the same on every rank, so
-collectives always match even if autograd finishes parameters in another order; whatever
-is left (unused parameters) is launched by a callback queued at the end of backward.
+(`Tensor.register_post_accumulate_grad_hook`), on the backward at the accumulation boundary
+(stage 2: on every micro-batch's, per `reduce_each_micro_batch`). Segments are launched
+strictly in one order, the same on every rank, so collectives always match even if
+autograd finishes parameters in another order: reverse registration order on the first
+backward, then the order the buckets became ready in it (rank 0's). Whatever is left
+(unused parameters) is launched by the end-of-backward callback ([Note: end of backward]
+in schedule.py).
 
 Where gradients live:
 - stage 0/1: a full flat gradient buffer; parameters' `.grad` are views of it, so
   autograd accumulates in place (DDP's gradient_as_bucket_view). Stage 0 all-reduces a
   segment in place; stage 1 reduce-scatters it in place, so the owned chunk holds the
   averaged gradient and the rest of the buffer is stale.
-- stage 2: parameters keep autograd's own `.grad` during accumulation; at the boundary,
-  when a bucket is launched, the overlapping gradients are copied into a pooled bucket
-  buffer (a gradient is freed once all its buckets are), and the bucket is
-  reduce-scattered into a gradient shard of `shard_numel` elements. Only buckets in
-  flight hold a buffer.
+- stage 2: parameters keep autograd's own `.grad` until their bucket is launched; then the
+  overlapping gradients are copied into a pooled bucket buffer (a gradient is freed once
+  all its buckets are), and the bucket is reduce-scattered into a gradient shard of
+  `shard_numel` elements (a later micro-batch reduces in place and adds its chunk). Only
+  buckets in flight hold a buffer.
 """
 from __future__ import annotations
 
@@ -126,6 +129,7 @@ class _Bucket:
     buffer: Optional[torch.Tensor] = None  # reduce-dtype staging, when one is needed
     work: object = None
     accumulate: bool = False  # stage 2: add the reduced chunk to the shard (a later micro-batch)
+    launched: bool = False  # its reduction was issued in this backward
 
 
 class GradReducer(BackwardSchedule):
@@ -170,7 +174,7 @@ class GradReducer(BackwardSchedule):
     # -- per-backward state -----------------------------------------------------------
     def _reset_buckets(self) -> None:
         for b in self.buckets:
-            b.pending, b.buffer, b.work = self._base_pending[id(b)], None, None
+            b.pending, b.buffer, b.work, b.launched = self._base_pending[id(b)], None, None, False
         self._filled.clear()
         self._next = 0
 
@@ -181,13 +185,16 @@ class GradReducer(BackwardSchedule):
 
     def _on_grad_ready(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
         self.begin_backward()
+        buckets = self._param_buckets[id(param)]
+        if not self.first_arrival(param, group.names[index], any(b.launched for b in buckets)):
+            return  # accumulated in place (or into .grad) before its bucket is launched
         if group.grad_views is not None and param.grad is not group.grad_views[index]:
             # Someone replaced .grad (e.g. model.zero_grad(set_to_none=True)); fold it back.
             group.grad_views[index].copy_(param.grad)
             param.grad = group.grad_views[index]
         if not self.reduces_now:
             return
-        for b in self._param_buckets[id(param)]:
+        for b in buckets:
             b.pending -= 1
             if b.pending == 0 and self._ready_order is not None:
                 self._ready_order.append(self.buckets.index(b))
@@ -219,6 +226,7 @@ class GradReducer(BackwardSchedule):
                 p.grad = None
 
     def _launch(self, b: _Bucket) -> None:
+        b.launched = True
         g, comm = b.group, self.comm
         seg = g.layout.segments[b.seg_index]
         chunk = g.layout.chunk(b.seg_index, g.rank)

@@ -21,6 +21,8 @@ the failed pass's partial gradients into the next step.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -29,6 +31,20 @@ from .comm import Comm
 
 def inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def output_tensors(output, depth: int = 3) -> list[torch.Tensor]:
+    """Tensors in a forward's output: pytree containers (tuples, dicts, Hugging Face
+    ModelOutputs), and the fields of dataclasses and plain objects pytree does not know."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if torch.is_tensor(leaf):
+            found.append(leaf)
+        elif depth > 0 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)], depth - 1)
+        elif depth > 0 and hasattr(leaf, "__dict__") and not isinstance(leaf, (type, torch.nn.Module)):
+            found += output_tensors(list(vars(leaf).values()), depth - 1)
+    return found
 
 
 class BackwardSchedule:
@@ -41,6 +57,7 @@ class BackwardSchedule:
         self.micro_step = 0  # backward passes finished since the last step
         self.grads_ready = False  # the boundary backward has finished reducing
         self._backward_open = False  # a backward began and its end callback is queued
+        self._fired: set = set()  # parameters whose gradient arrived in this backward
 
     @property
     def at_boundary(self) -> bool:
@@ -65,17 +82,39 @@ class BackwardSchedule:
 
     def watch_outputs(self, output) -> None:
         """Queue the end-of-backward callback from the model's outputs, in the outer graph task."""
-        for t in tree_flatten(output)[0]:
-            if torch.is_tensor(t) and t.requires_grad:
+        for t in output_tensors(output):
+            if t.requires_grad:
                 t.register_hook(self._output_grad_hook)
 
     def _output_grad_hook(self, grad):
         self.begin_backward()
         return None
 
+    def first_arrival(self, param: torch.Tensor, name: str, already_reduced: bool) -> bool:
+        """Whether this is the parameter's first gradient in this backward. A second one
+        comes only from nested backward passes (`use_reentrant=True` checkpointing of a
+        parameter used in several segments); once its bucket or unit was reduced it would
+        be lost, so that is an error rather than a silently wrong gradient."""
+        if id(param) not in self._fired:
+            self._fired.add(id(param))
+            return True
+        if already_reduced:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: parameter {name} received a second gradient in one backward, after its "
+                f"gradients were reduced: it is used inside several torch.utils.checkpoint(use_reentrant=True) "
+                f"segments, each of which runs its own backward; use use_reentrant=False")
+        return False
+
     def _end_backward(self) -> None:
         self._backward_open = False
+        if not self._fired:
+            # A backward that reached the model's outputs but no trainable parameter
+            # (torch.autograd.grad(loss, inputs): adversarial inputs, gradient penalties):
+            # not a micro-batch, nothing to reduce.
+            self.abandon_backward()
+            return
         self.finish_backward()
+        self._fired.clear()
         if self.at_boundary:
             self.grads_ready = True
         self.micro_step += 1
@@ -83,6 +122,9 @@ class BackwardSchedule:
     def finish_backward(self) -> None:
         """Subclasses: flush and wait for this pass's reductions."""
         raise NotImplementedError
+
+    def abandon_backward(self) -> None:
+        """Subclasses: undo what a backward that produced no parameter gradient set up."""
 
     def check_no_open_backward(self) -> None:
         """Called at the start of a training forward ([Note: failed backward])."""
@@ -104,5 +146,6 @@ class BackwardSchedule:
     def reset(self) -> None:
         """Start over from no backward ([Note: failed backward]); subclasses release their buffers."""
         self._backward_open = False
+        self._fired.clear()
         self.micro_step = 0
         self.grads_ready = False

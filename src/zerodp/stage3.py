@@ -9,12 +9,14 @@ Backward: that gradient hook fires before any of the unit's backward ops run, an
 gathers the unit again (prefetching the next units of the recorded backward order).
 When every trainable parameter of a unit has its gradient accumulated
 (`register_post_accumulate_grad_hook`), the gradients move into a flat buffer, the
-parameters are freed, and, at the accumulation boundary, the buffer is reduce-scattered
-into the unit's gradient shard. Reduce-scatters are launched strictly in one fixed order
-(reverse registration order, the root last) so that every rank issues the same
-collectives even when autograd finishes units in another order; units that were not
-used (or only partly) are flushed by a callback at the end of backward, with zero
-gradients for what was not used.
+parameters are freed, and the buffer is reduce-scattered into the unit's gradient shard
+(every micro-batch, or only at the accumulation boundary with reduce_each_micro_batch=False).
+Reduce-scatters are launched strictly in one order so that every rank issues the same
+collectives even when autograd finishes units in another order: on the first backward
+the reverse of the first forward's order, then the order units were done in it (rank
+0's). Units that were not used (or only partly) are flushed by the end-of-backward
+callback ([Note: end of backward] in schedule.py), with zero gradients for what was not
+used.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from typing import Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from . import hostmem
 from .api import apply_compute_dtype, replicate_from_rank0
@@ -35,7 +36,7 @@ from .flat import BufferPool
 from .materialize import default_device, has_meta, materialize
 from .optimizer import ZeroOptimizer
 from .reducer import MAX_IN_FLIGHT
-from .schedule import BackwardSchedule, inside_backward
+from .schedule import BackwardSchedule, inside_backward, output_tensors
 from .units import FlatUnit, UnitGroupView, UnitState, assign_params, encloses, select_units
 
 log = logging.getLogger(__name__)
@@ -169,8 +170,8 @@ class Stage3Engine(BackwardSchedule):
                 return None
             training = torch.is_grad_enabled()
             if training:
-                for t in tree_flatten(output)[0]:
-                    if torch.is_tensor(t) and t.requires_grad:
+                for t in output_tensors(output):
+                    if t.requires_grad:
                         t.register_hook(self._make_pre_backward(ui))
             if ui == self.root and training and self._done_order == [] and not self._order_guessed:
                 self._guess_reduce_order()
@@ -227,7 +228,11 @@ class Stage3Engine(BackwardSchedule):
         return hook
 
     def _make_grad_hook(self, ui: int):
+        names = {id(p): n for p, n in zip(self.units[ui].params, self.units[ui].names)}
+
         def hook(param):
+            if not self.first_arrival(param, names[id(param)], ui in self._ready):
+                return
             self._pending[ui] -= 1
             if self._pending[ui] == 0:
                 self._unit_done(ui)
@@ -281,6 +286,14 @@ class Stage3Engine(BackwardSchedule):
             self._adopt_done_order()
         if self.forward_order:
             self._recording = False
+        self._reset_backward_state()
+
+    def abandon_backward(self) -> None:
+        """A backward that gave no parameter a gradient (e.g. torch.autograd.grad with
+        respect to inputs): free what it gathered, reduce nothing, count nothing."""
+        for ui in self._in_backward:
+            self.units[ui].discard_grads()
+            self.units[ui].reshard()
         self._reset_backward_state()
 
     def _guess_reduce_order(self) -> None:
@@ -364,7 +377,7 @@ def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, gro
         u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
     sharded = {id(p) for u in flat_units for p in u.params}
     replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
-    apply_compute_dtype(model, config.compute_dtype, skip=sharded)
+    apply_compute_dtype(model, config.compute_dtype, skip=sharded, cast_buffers=config.cast_buffers)
     engine = Stage3Engine(flat_units, comm, config, pool)
     name_index = {n: i for i, n in enumerate(names)}
     storages = []

@@ -92,23 +92,30 @@ def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]],
     modules under it and not under a nested unit. A parameter registered in modules of
     several units (tied weights) goes to the innermost unit that encloses them all, whose
     forward encloses every use."""
-    unit_names = [n for n, _ in units]
     index = {id(p): i for i, (_, p) in enumerate(trainable)}
+    root = len(units) - 1
+    unit_of_module = {id(m): ui for ui, (_, m) in enumerate(units[:-1])}
+    # Which units each unit's forward encloses, by module object: a module instance shared
+    # by two blocks lies under both, whatever name named_modules() gives it first.
+    subtree = [{id(m) for m in module.modules()} for _, module in units]
+    inside = [{v for v in range(len(units)) if id(units[v][1]) in subtree[u]} for u in range(len(units))]
 
-    def innermost(module_name: str) -> int:
-        return max((ui for ui, un in enumerate(unit_names) if encloses(un, module_name)),
-                   key=lambda ui: len(unit_names[ui]) + (ui != len(units) - 1))
+    def innermost(path: str) -> int:
+        best, module = root, model
+        for part in path.split(".") if path else []:
+            module = getattr(module, part)
+            best = unit_of_module.get(id(module), best)
+        return best
 
     homes: dict[int, set] = {}
-    for mname, m in model.named_modules():
+    for mname, m in model.named_modules(remove_duplicate=False):  # every path to a shared module
         for p in m.parameters(recurse=False):
             if id(p) in index:
                 homes.setdefault(id(p), set()).add(innermost(mname))
     result: list[list[int]] = [[] for _ in units]
     for pid, uis in homes.items():
-        enclosing = [ui for ui, un in enumerate(unit_names)
-                     if all(encloses(un, unit_names[v]) for v in uis)]
-        best = max(enclosing, key=lambda ui: len(unit_names[ui]) + (ui != len(units) - 1))
+        enclosing = [u for u in range(len(units)) if uis <= inside[u]]
+        best = min(enclosing, key=lambda u: len(subtree[u]))  # the innermost one
         result[best].append(index[pid])
     for r in result:
         r.sort()
