@@ -111,7 +111,8 @@ def test_measured_ledger_equals_formula_and_census(world):
             assert set(m["other"]) <= {"ZeroOptimizer.state"} and sum(m["other"].values()) <= 4 * 64, key
             # Every live tensor the garbage collector finds that initialize and training
             # created is in the ledger, and nothing else: exact.
-            assert m["census_total"] == m["ledger_total"], key
+            assert m["census_total"] == m["ledger_total"], (key, m["census_total"], m["ledger_total"],
+                                                            m["unheld"], m["unseen"])
 
 
 def test_parameter_used_outside_its_unit_raises_naming_it(world):

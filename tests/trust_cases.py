@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import zerodp
 from core_cases import SMALL_BUCKET, Net, _error_of, batch, loss_fn, max_rel_diff, train_reference, train_zerodp
 from stage3_cases import full_params, gpt_loss, gpt_tiny, rel
-from zerodp.memory import formula_bytes, live_tensor_storages
+from zerodp.memory import Census, formula_bytes, live_tensor_storages, walk_tensors
 from zerodp.models import Block
 
 STEPS = 4
@@ -342,6 +342,12 @@ def _ledger_and_census(cfg, pbytes, master, world_size):
     gc.collect()
     live = {k: v for k, v in live_tensor_storages().items() if k not in before}
     del grads
+    held = Census()
+    for holder, t in walk_tensors(opt):
+        held.claim(holder, [t])
+    # For a failure message: what the census found that the engine does not hold, and back.
+    unheld = sorted(v for k, v in live.items() if k not in held.owner)
+    unseen = sorted((held.owner[k], v) for k, v in held.nbytes.items() if k not in live)
     padded = mid.padded_numel
     expect = formula_bytes(cfg.stage, padded, world_size, pbytes, pbytes, master, 8)
     # reduce_each_micro_batch=False: stage 2 keeps autograd's own gradients (unpadded),
@@ -351,7 +357,8 @@ def _ledger_and_census(cfg, pbytes, master, world_size):
     del baseline
     return {"after_step": {k: getattr(after_step, k) for k in expect}, "expect": expect,
             "mid": {k: getattr(mid, k) for k in expect}, "held_unsharded": held_unsharded,
-            "other": dict(mid.other_by_owner), "ledger_total": mid.total, "census_total": sum(live.values())}
+            "other": dict(mid.other_by_owner), "ledger_total": mid.total, "census_total": sum(live.values()),
+            "unheld": unheld[-5:], "unseen": unseen[-5:]}
 
 
 def _micro_batches(model, opt, steps, partial=False):
