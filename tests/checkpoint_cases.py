@@ -276,18 +276,20 @@ def crash_during_save(root, rank):
     out["after_rank1_fails"] = {"latest": zerodp.latest(os.path.join(root, "crash")),
                                 "listing": sorted(os.listdir(os.path.join(root, "crash")))}
 
-    # Rank 0 dies between moving the directory into place and writing COMPLETE.
+    # Rank 0 fails writing COMPLETE (a full disk at the last moment), to a new path and to
+    # the path of the previous checkpoint: nothing partial is left, the previous one stays.
     real_write_json = checkpoint._write_json
 
     def no_marker(file, obj):
         if os.path.basename(file).startswith(checkpoint.COMPLETE):
-            raise OSError(5, "Input/output error")
+            raise OSError(28, "No space left on device")
         return real_write_json(file, obj)
 
     if rank == 0:
         checkpoint._write_json = no_marker
     try:
         out["rank0_fails"] = error_of(lambda: zerodp.save(os.path.join(root, "crash", "step5"), model, opt))
+        out["rank0_fails_overwrite"] = error_of(lambda: zerodp.save(good, model, opt))
     finally:
         checkpoint._write_json = real_write_json
     barrier()
@@ -453,3 +455,20 @@ def world_two(rank, world_size, root):
     out["bad"] = bad_inputs(root, rank)
     out["pretrained"] = pretrained(root, rank)
     return out
+
+
+def save_repeatedly(path, times, seed):
+    """One single-process job saving `times` checkpoints to `path` (see the test of two
+    jobs saving to one path at once)."""
+    import torch.nn as nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model, opt = zerodp.initialize(nn.Linear(8, 8), torch.optim.AdamW, zerodp.Config(stage=2), lr=1e-3)
+    errors = []
+    for _ in range(times):
+        try:
+            zerodp.save(path, model, opt)
+        except Exception as e:  # noqa: BLE001  (counted by the test)
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors

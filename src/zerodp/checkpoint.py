@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -323,7 +324,7 @@ def save(path: PathLike, model: nn.Module, optimizer, **extra) -> str:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # 3. Everyone finished: rank 0 moves the directory into place and writes COMPLETE last.
+    # 3. Everyone finished: rank 0 writes COMPLETE and moves the directory into place.
     result = None
     if rank == 0:
         try:
@@ -371,17 +372,35 @@ def _metadata(model, optimizer, view: _ModelView, agreed: list, extra: dict) -> 
 
 
 def _commit(tmp: str, path: str, files: dict) -> None:
-    old = None
-    if os.path.lexists(path):
-        old = f"{path}{OLD_TAG}{uuid.uuid4().hex[:12]}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-    side = os.path.join(path, COMPLETE + ".writing")
+    """Make the finished temporary directory the checkpoint at `path`.
+
+    COMPLETE is written inside the private temporary directory first, so a failure there
+    (a full disk) leaves the previous checkpoint at `path` in place and trusted. Only then
+    is the previous one moved aside and the new one renamed into place; a save to the same
+    path that wins the race in between is moved aside in turn, and the last rename wins."""
+    side = os.path.join(tmp, COMPLETE + ".writing")
     _write_json(side, {"format": FORMAT, "files": files})
-    os.replace(side, os.path.join(path, COMPLETE))
-    _fsync_dir(path)
-    if old is not None:
+    os.replace(side, os.path.join(tmp, COMPLETE))
+    _fsync_dir(tmp)
+    displaced = []
+    for attempt in range(8):
+        if os.path.lexists(path):
+            old = f"{path}{OLD_TAG}{uuid.uuid4().hex[:12]}"
+            try:
+                os.rename(path, old)
+                displaced.append(old)
+            except FileNotFoundError:  # another save moved it first
+                pass
+        try:
+            os.rename(tmp, path)
+            break
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 7:
+                if displaced and not os.path.lexists(path):  # put the previous checkpoint back
+                    os.rename(displaced.pop(), path)
+                raise
+    _fsync_dir(os.path.dirname(path))
+    for old in displaced:
         shutil.rmtree(old, ignore_errors=True)
 
 
