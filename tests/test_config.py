@@ -10,7 +10,7 @@ from zerodp import Config, ConfigError
 # The set of options is pinned: adding one is a decision, not a drive-by.
 FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_loss_scale",
           "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
-          "reduce_each_micro_batch", "cast_buffers",
+          "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug"}
 
 

@@ -164,3 +164,24 @@ def test_review_cases(world):
         assert v["batchnorm_bf16"] == "torch.bfloat16"
         assert v[("stray", 2)] == {"GradReducer.stray": 4000} and v[("stray", 3)] == {"Stage3Engine.stray": 4000}
         assert v["probe_hooks"] == 0
+
+
+def test_nonfinite_gradients_and_misuse(world):
+    n, results = world
+    for r in results:
+        rel_ = r["reliability"]
+        for stage in (2, 3):
+            for precision in ("fp32", "bf16"):
+                key = (stage, precision)
+                raised, skipped, applied = (rel_[(*key, p)] for p in ("raise", "skip", "proceed"))
+                # The nan is on the last rank only; every rank raises, before touching the weights.
+                assert raised["error"].startswith("FloatingPointError") and "nan/inf" in raised["error"], key
+                assert raised["unchanged"], key
+                assert skipped["error"] is None and skipped["unchanged"] and skipped["skipped"] == 1, key
+                assert applied["error"] is None and applied["any_nan"], key
+        for stage in (0, 2, 3):
+            err, unchanged, steps = rel_[("zero_grad_then_step", stage)]
+            assert err is None and unchanged and steps == 0, (stage, err)
+        assert "already passed to zerodp.initialize" in rel_["second_initialize"]
+        assert "wrapped in DistributedDataParallel" in rel_["ddp_wrapped"]
+        assert "param group 1 of SGD has no parameters" in rel_["empty_group"]

@@ -393,7 +393,8 @@ def trust_world(rank, world_size):
            "dtype": dtype_policy(rank, world_size), "probe": optimizer_probe(rank, world_size),
            "order": registration_order(rank, world_size), "fp16": fp16_paths(rank, world_size),
            "sgd3": sgd_stage3_grid(rank, world_size), "memory": memory_ledger(rank, world_size),
-           "sharded_use": sharded_use(rank, world_size), "review": review_cases(rank, world_size)}
+           "sharded_use": sharded_use(rank, world_size), "review": review_cases(rank, world_size),
+           "reliability": reliability_cases(rank, world_size)}
     if world_size > 1:
         out["rank_seeds"] = born_with_rank_seeds(rank, world_size)
     return out
@@ -482,4 +483,46 @@ def review_cases(rank, world_size):
     zerodp.initialize(Stack(), adamw, stack_cfg(2))
     handle.remove()
     out["probe_hooks"] = len(fired)
+    return out
+
+
+def reliability_cases(rank, world_size):
+    out = {}
+    # A nan loss on the last rank only, fp32/bf16 (no loss scaler): raise on every rank,
+    # skip on every rank, or proceed, per Config.nonfinite_grads.
+    for stage in (2, 3):
+        for precision in ("fp32", "bf16"):
+            for policy in ("raise", "skip", "proceed"):
+                torch.manual_seed(0)
+                cfg = stack_cfg(stage, mixed_precision=precision, nonfinite_grads=policy)
+                model, opt = zerodp.initialize(Stack(), adamw, cfg)
+                before = full_params(model)
+                x, y = batch(0, rank)
+                loss = loss_fn(model(x), y)
+                opt.backward(loss * float("nan") if rank == world_size - 1 else loss)
+                err = _error_of(opt.step)
+                after = full_params(model)
+                out[(stage, precision, policy)] = {
+                    "error": err, "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+                    "any_nan": any(bool(t.isnan().any()) for t in after.values()), "skipped": opt.skipped_steps}
+    # zero_grad() between backward and step: the step changes nothing, as torch's does.
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        model, opt = zerodp.initialize(Stack(), adamw, stack_cfg(stage))
+        before = full_params(model)
+        x, y = batch(0, rank)
+        opt.backward(loss_fn(model(x), y))
+        opt.zero_grad()
+        err = _error_of(opt.step)
+        after = full_params(model)
+        out[("zero_grad_then_step", stage)] = (err, all(torch.equal(before[n], after[n]) for n in before),
+                                               opt.step_count)
+    # Misuse named: a second initialize, a DDP-wrapped model, an empty param group.
+    model, opt = zerodp.initialize(Stack(), sgd, stack_cfg(2))
+    out["second_initialize"] = _error_of(lambda: zerodp.initialize(model, sgd, stack_cfg(2)))
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out["ddp_wrapped"] = _error_of(lambda: zerodp.initialize(DDP(Stack()), sgd, stack_cfg(2)))
+    out["empty_group"] = _error_of(lambda: zerodp.initialize(
+        Stack(), lambda ps: torch.optim.SGD([{"params": list(ps)}, {"params": []}], lr=0.1), stack_cfg(2)))
     return out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -16,6 +17,9 @@ from .reducer import FlatParamGroup, GradReducer
 log = logging.getLogger(__name__)
 
 OptimizerSpec = Union[type, Callable[[list], torch.optim.Optimizer]]
+
+# Models already turned into flat shards; weak, so models die normally.
+_INITIALIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def build_optimizer(optimizer: OptimizerSpec, params: list, kwargs: dict) -> torch.optim.Optimizer:
@@ -42,6 +46,9 @@ def _grouped_params(inner: torch.optim.Optimizer, named: list) -> list[list[int]
     index = {id(p): i for i, (_, p) in enumerate(named)}
     groups, seen = [], set()
     for gi, group in enumerate(inner.param_groups):
+        if not group["params"]:
+            raise ValueError(f"param group {gi} of {type(inner).__name__} has no parameters: drop it, or give it "
+                             f"the parameters it was meant for")
         idx = []
         for p in group["params"]:
             if id(p) not in index:
@@ -127,6 +134,12 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         raise TypeError(f"config must be a zerodp.Config or a dict, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(f"model is wrapped in {type(model).__name__}: zerodp replaces it; pass the plain module "
+                        f"(model.module) to zerodp.initialize")
+    if model in _INITIALIZED:
+        raise RuntimeError(f"this {type(model).__name__} was already passed to zerodp.initialize: its parameters are "
+                           f"already flat shards. Keep the model and optimizer it returned, or build a new model")
     if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
         materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -147,7 +160,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     if config.stage == 3:
         from .stage3 import shard_model
 
-        return shard_model(model, inner, named, group_indices, comm, config)
+        model, opt = shard_model(model, inner, named, group_indices, comm, config)
+        _INITIALIZED.add(model)
+        return model, opt
 
     trainable = {id(p) for _, p in named}
     replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
@@ -168,6 +183,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
                                 if torch.is_grad_enabled() else None)
     opt = ZeroOptimizer(inner, [[g] for g in groups], comm, config, reducer, trainable=named)
+    _INITIALIZED.add(model)
     log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
              config.stage, comm.world_size, sum(g.layout.numel for g in groups), len(groups))
     return model, opt

@@ -55,6 +55,12 @@ class Config:
     loss_scale: Union[str, float] = "dynamic"
     """fp16 only: "dynamic" (grow/back off, skip steps with inf/nan) or a fixed positive number."""
 
+    nonfinite_grads: str = "raise"
+    """fp32/bf16 (no loss scaler): what a step does when the global gradient holds a nan or
+    inf (a diverged loss on any rank): "raise" on every rank before the master weights are
+    touched, "skip" the step on every rank (counted in `optimizer.skipped_steps`, logged),
+    or "proceed" and apply it. fp16 always skips such steps and backs off its loss scale."""
+
     initial_loss_scale: float = 2.0**16
     """fp16 with dynamic scaling: the scale of the first step."""
 
@@ -118,6 +124,8 @@ class Config:
                 raise _bad("loss_scale", ls, 'use "dynamic" or a positive number')
         elif isinstance(ls, bool) or not isinstance(ls, (int, float)) or not ls > 0:
             raise _bad("loss_scale", ls, 'use "dynamic" or a positive number')
+        if self.nonfinite_grads not in ("raise", "skip", "proceed"):
+            raise _bad("nonfinite_grads", self.nonfinite_grads, 'use "raise", "skip" or "proceed"')
         if not _is_number(self.initial_loss_scale) or not self.initial_loss_scale > 0:
             raise _bad("initial_loss_scale", self.initial_loss_scale, "use a positive number")
         _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)

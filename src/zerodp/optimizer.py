@@ -174,6 +174,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._states_rehomed = False
         self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
         self._scaled_backwards = 0  # backward passes run through self.backward since the last step
+        self._norm_this_step = None  # the global norm, when clip_grad_norm_ ran in this step
+        self._zeroed = False  # zero_grad since the last step
+        self.skipped_steps = 0  # steps skipped for a nan/inf gradient (nonfinite_grads="skip")
         self.step_count = 0
         self.last_grad_norm = None
         # The inner optimizer's step without torch's hook wrapper: the hooks (global ones
@@ -263,7 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
-        self.last_grad_norm = total
+        self.last_grad_norm = self._norm_this_step = total
         return total
 
     def _owns_all(self) -> bool:
@@ -277,11 +280,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # optimizer's) run once per step, as on any torch optimizer.
         for hook in [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()]:
             hook(self, (), {})
+        if self._nothing_to_step():
+            for hook in [*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]:
+                hook(self, (), {})
+            return None
         self._prepare_grads()
+        nonfinite = self._nonfinite_without_scaler()
         if self._found_inf:
             log.warning("rank %d: inf/nan gradient, skipping step %d (loss scale %g -> %g)", self.comm.rank,
                         self.step_count, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
             self.scaler.update(found_inf=True)
+        elif nonfinite:
+            log.warning("rank %d: inf/nan gradient, skipping step %d (Config.nonfinite_grads='skip')",
+                        self.comm.rank, self.step_count)
+            self.skipped_steps += 1
         else:
             self._inner_step()
             self.scaler.update(found_inf=False)
@@ -289,6 +301,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         self._grads_prepared = False
         self._found_inf = False
+        self._norm_this_step = None
+        self._zeroed = False
         self._scaled_backwards = 0
         self.grad_sync.after_step()
         self.comm.ledger.end_step()
@@ -297,6 +311,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for hook in [*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]:
             hook(self, (), {})
         return None
+
+    def _nothing_to_step(self) -> bool:
+        """`zero_grad()` then `step()` with no backward in between: torch's optimizers find
+        every gradient None and change nothing; so does this one (no step is counted)."""
+        return self._zeroed and not self.grad_sync.grads_ready and self.grad_sync.micro_step == 0
+
+    def _nonfinite_without_scaler(self) -> bool:
+        """fp32/bf16: whether the global gradient holds a nan/inf, per Config.nonfinite_grads
+        (fp16's loss scaler checks its own). The norm from clip_grad_norm_ is already global;
+        otherwise each rank sums its shard (nan and inf survive a sum) and one scalar is
+        all-reduced: 14 ms for the 124M GPT's 62M-element fp32 shard on one CPU core, 0.3%
+        of its step (a float64 sum took 0.34 s, isfinite().all() 0.17 s). Raises for
+        "raise", before the master weights are touched."""
+        policy = self.config.nonfinite_grads
+        if self.config.uses_loss_scaling or policy == "proceed":
+            return False
+        if self._norm_this_step is not None:
+            total = float(self._norm_this_step)
+        else:
+            local = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+            for s in self._all_shards():
+                for m in s.master_tensors:
+                    if m.grad is not None and m.grad.numel():
+                        local += m.grad.sum()
+            total = float(local if self._owns_all() else self.comm.sum_scalar(local))
+        if math.isfinite(total):
+            return False
+        if policy == "raise":
+            self._grads_prepared = False
+            raise FloatingPointError(
+                f"rank {self.comm.rank}: step {self.step_count}: the gradient holds nan/inf on at least one rank "
+                f"(a diverged loss?); the master weights were not updated. Call optimizer.zero_grad() to go on, "
+                f"or set Config.nonfinite_grads='skip' to skip such steps on every rank")
+        return True
 
     def _inner_step(self) -> None:
         """The user's optimizer steps every owned piece once, a bucket's worth at a time.
@@ -353,6 +401,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raised too ([Note: failed backward] in schedule.py)."""
         self.grad_sync.reset()
         self._grads_prepared = False
+        self._norm_this_step = None
+        self._zeroed = True
         self._scaled_backwards = 0
         for shard in self._all_shards():
             shard.storage.zero_grad()
