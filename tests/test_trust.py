@@ -185,3 +185,15 @@ def test_nonfinite_gradients_and_misuse(world):
         assert "already passed to zerodp.initialize" in rel_["second_initialize"]
         assert "wrapped in DistributedDataParallel" in rel_["ddp_wrapped"]
         assert "param group 1 of SGD has no parameters" in rel_["empty_group"]
+
+
+def test_shutdown_after_own_error_does_not_hang():
+    import time
+
+    from trust_cases import own_error_then_shutdown
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run_world(2, own_error_then_shutdown, timeout_s=60)
+    assert "this rank's own error" in str(info.value)
+    assert time.monotonic() - start < 45  # spawn + an immediate failure, far from the timeout

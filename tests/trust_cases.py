@@ -526,3 +526,16 @@ def reliability_cases(rank, world_size):
     out["empty_group"] = _error_of(lambda: zerodp.initialize(
         Stack(), lambda ps: torch.optim.SGD([{"params": list(ps)}, {"params": []}], lr=0.1), stack_cfg(2)))
     return out
+
+
+def own_error_then_shutdown(rank, world_size):
+    """The last rank raises and calls shutdown_distributed() in a finally; the others are
+    waiting in a collective. The error surfaces at once instead of hanging in a barrier."""
+    import torch.distributed as dist
+
+    if rank == world_size - 1:
+        try:
+            raise ValueError("this rank's own error")
+        finally:
+            zerodp.shutdown_distributed()
+    dist.all_reduce(torch.zeros(1 << 16))  # the peers: in a training step's collective

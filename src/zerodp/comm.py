@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -271,7 +272,14 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
 def shutdown_distributed() -> None:
     """Leave the process group joined by `init_distributed`. Every rank waits for the others
     first, so that no rank tears its connections down while a peer is still finishing its
-    last collective (with gloo that aborts the peer). A no-op in a single process."""
+    last collective (with gloo that aborts the peer). Called while an exception propagates
+    (from a `finally:`), it does not wait: the peers may never reach the barrier, and the
+    rank's own error must surface rather than hang; closing the group makes the peers fail
+    promptly. A no-op in a single process."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if sys.exc_info()[0] is None:
+            dist.barrier()
+        else:
+            log.error("rank %d: leaving the process group without waiting for the others, because of %s",
+                      dist.get_rank(), sys.exc_info()[0].__name__)
         dist.destroy_process_group()
