@@ -197,3 +197,14 @@ def test_shutdown_after_own_error_does_not_hang():
         run_world(2, own_error_then_shutdown, timeout_s=60)
     assert "this rank's own error" in str(info.value)
     assert time.monotonic() - start < 45  # spawn + an immediate failure, far from the timeout
+
+
+def test_ranks_that_disagree_are_named_on_every_rank(world):
+    n, results = world
+    for r in results:
+        d = r["disagree"]
+        assert "ranks disagree on the Config" in d["config"] and "['bucket_bytes']: 256 vs 512" in d["config"], d
+        assert f"rank 0 vs rank {n - 1}" in d["config"]
+        assert "['loss_scale']: 1024.0 vs 8.0" in d["loss_scale"], d["loss_scale"]
+        assert "ranks disagree on the parameters" in d["model"] and "blocks.4" in d["model"], d["model"]
+        assert "ranks disagree on the optimizer param groups" in d["lr"] and "['lr']: '0.1' vs '0.2'" in d["lr"], d["lr"]

@@ -397,6 +397,7 @@ def trust_world(rank, world_size):
            "reliability": reliability_cases(rank, world_size)}
     if world_size > 1:
         out["rank_seeds"] = born_with_rank_seeds(rank, world_size)
+        out["disagree"] = ranks_that_disagree(rank, world_size)
     return out
 
 
@@ -539,3 +540,16 @@ def own_error_then_shutdown(rank, world_size):
         finally:
             zerodp.shutdown_distributed()
     dist.all_reduce(torch.zeros(1 << 16))  # the peers: in a training step's collective
+
+
+def ranks_that_disagree(rank, world_size):
+    """The last rank builds something else; every rank gets an error naming the difference."""
+    last = rank == world_size - 1
+    out = {}
+    out["config"] = _error_of(lambda: zerodp.initialize(Stack(), sgd, zerodp.Config(stage=2, bucket_bytes=512 if last
+                                                                                    else 256)))
+    out["loss_scale"] = _error_of(lambda: zerodp.initialize(
+        Stack(), sgd, stack_cfg(2, mixed_precision="fp16", loss_scale=8.0 if last else 1024.0)))
+    out["model"] = _error_of(lambda: zerodp.initialize(Stack(depth=5 if last else 4), sgd, stack_cfg(3)))
+    out["lr"] = _error_of(lambda: zerodp.initialize(Stack(), torch.optim.SGD, stack_cfg(2), lr=0.2 if last else 0.1))
+    return out

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from .agreement import check_ranks_agree, describe
 from .comm import Comm
 from .config import Config
 from .materialize import default_device, has_meta, materialize
@@ -154,6 +155,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     device = devices.pop()
     comm = Comm(process_group, device=default_device() if device.type == "meta" else device)
     inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
+    check_ranks_agree(comm, describe(model, inner, config))
     check_elementwise(inner)
     group_indices = _grouped_params(inner, named)
 

@@ -1,0 +1,63 @@
+"""Every rank must build the same model, optimizer and Config: checked once, at initialize.
+
+Ranks that differ (another stage or bucket size, one extra layer, another learning rate or
+fp16 loss scale) would otherwise pair mismatched collectives: gloo aborts one rank while
+the other waits, or, worse, both run and silently train different models. One small
+collective of descriptions, compared with rank 0's, turns that into an error on every rank
+that names what differs and what each rank had.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .config import Config
+
+
+def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> dict[str, Any]:
+    """What every rank must agree on, as plain, comparable data."""
+    return {
+        "Config": config.to_dict(),
+        "parameters (name, shape, dtype, requires_grad)": [
+            (n, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad) for n, p in model.named_parameters()],
+        "buffers (name, shape, dtype)": [
+            (n, tuple(b.shape), str(b.dtype).replace("torch.", "")) for n, b in model.named_buffers()],
+        "optimizer": type(inner).__name__,
+        "optimizer param groups (size and hyperparameters)": [
+            (len(g["params"]), {k: repr(v) for k, v in sorted(g.items()) if k != "params"}) for g in inner.param_groups],
+    }
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _first_difference(mine: Any, theirs: Any, at: str = "") -> str:
+    """Where two descriptions first differ, e.g. "item 0[1]['lr']: '0.1' vs '0.2'"."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for k in sorted(set(mine) | set(theirs), key=str):
+            if mine.get(k) != theirs.get(k):
+                return _first_difference(mine.get(k), theirs.get(k), f"{at}[{k!r}]")
+    if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return _first_difference(a, b, f"{at}[{i}]")
+        if len(mine) != len(theirs):
+            return f"{at or 'length'}: {len(mine)} vs {len(theirs)} items"
+    return f"{at}: {_short(mine)} vs {_short(theirs)}" if at else f"{_short(mine)} vs {_short(theirs)}"
+
+
+def check_ranks_agree(comm: Comm, described: dict[str, Any]) -> None:
+    """Raise on every rank if any rank's description differs from rank 0's."""
+    everyone = comm.all_gather_object(described)
+    for key in described:
+        values = [d.get(key) for d in everyone]
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            detail = "; ".join(f"rank 0 vs rank {r}: {_first_difference(values[0], values[r])}" for r in differ[:3])
+            raise ValueError(f"rank {comm.rank}: ranks disagree on the {key} ({detail}). Every rank must build the "
+                             f"same model, optimizer and Config before zerodp.initialize")
