@@ -72,14 +72,19 @@ class CommLedger:
 
     def summary(self, records=None) -> dict:
         records = self.last_step if records is None else records
-        by_op: Counter = Counter()
+        by_op: Counter = Counter()  # the paper's volume by op: scalar agreements ("control") apart
+        control = 0
         for r in records:
-            by_op[f"{r.op}/{r.phase}"] += r.volume_numel
+            if r.phase == "control":
+                control += 1
+            else:
+                by_op[f"{r.op}/{r.phase}"] += r.volume_numel
         return {
             "volume_numel": self.volume(records),
             "calls": len(records),
             "nbytes": sum(r.nbytes for r in records if r.phase != "control"),
             "by_op": dict(by_op),
+            "control_calls": control,
         }
 
 
