@@ -208,3 +208,19 @@ def test_ranks_that_disagree_are_named_on_every_rank(world):
         assert "['loss_scale']: 1024.0 vs 8.0" in d["loss_scale"], d["loss_scale"]
         assert "ranks disagree on the parameters" in d["model"] and "blocks.4" in d["model"], d["model"]
         assert "ranks disagree on the optimizer param groups" in d["lr"] and "['lr']: '0.1' vs '0.2'" in d["lr"], d["lr"]
+        assert "ranks disagree on the optimizer param groups" in d["tensor_lr"], d["tensor_lr"]
+        if r is results[-1]:
+            assert d["local_failure"].startswith("TypeError") and "bfloat16" in d["local_failure"], d
+        else:
+            assert f"zerodp.initialize failed on rank {n - 1}: TypeError" in d["local_failure"], d
+
+
+def test_shutdown_without_waiting_after_a_handled_error():
+    import time
+
+    from trust_cases import handled_error_then_shutdown
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):  # the peer's collective fails once the rank has left
+        run_world(2, handled_error_then_shutdown, timeout_s=60)
+    assert time.monotonic() - start < 45

@@ -552,4 +552,25 @@ def ranks_that_disagree(rank, world_size):
         Stack(), sgd, stack_cfg(2, mixed_precision="fp16", loss_scale=8.0 if last else 1024.0)))
     out["model"] = _error_of(lambda: zerodp.initialize(Stack(depth=5 if last else 4), sgd, stack_cfg(3)))
     out["lr"] = _error_of(lambda: zerodp.initialize(Stack(), torch.optim.SGD, stack_cfg(2), lr=0.2 if last else 0.1))
+    # A tensor learning rate that differs below its printed precision is still a difference.
+    out["tensor_lr"] = _error_of(lambda: zerodp.initialize(
+        Stack(), torch.optim.AdamW, stack_cfg(2), lr=torch.tensor(1.0004e-3 if last else 1e-3)))
+    # A rank that fails before the agreement (its model is bf16, Config says fp32) does not
+    # leave the others waiting: it raises its own error, they name it.
+    out["local_failure"] = _error_of(lambda: zerodp.initialize(
+        Stack().to(torch.bfloat16) if last else Stack(), sgd, stack_cfg(2)))
     return out
+
+
+def handled_error_then_shutdown(rank, world_size):
+    """As own_error_then_shutdown, but the failing rank handles its error in an `except`
+    first, and says so: shutdown_distributed(wait=False)."""
+    import torch.distributed as dist
+
+    if rank == world_size - 1:
+        try:
+            raise ValueError("this rank's own error")
+        except ValueError:
+            zerodp.shutdown_distributed(wait=False)
+        return "left"
+    dist.all_reduce(torch.zeros(1 << 16))

@@ -8,7 +8,7 @@ that names what differs and what each rank had.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -27,8 +27,22 @@ def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> 
             (n, tuple(b.shape), str(b.dtype).replace("torch.", "")) for n, b in model.named_buffers()],
         "optimizer": type(inner).__name__,
         "optimizer param groups (size and hyperparameters)": [
-            (len(g["params"]), {k: repr(v) for k, v in sorted(g.items()) if k != "params"}) for g in inner.param_groups],
+            (len(g["params"]), {k: _comparable(v) for k, v in sorted(g.items()) if k != "params"})
+            for g in inner.param_groups],
     }
+
+
+def _comparable(value: Any) -> Any:
+    """A hyperparameter as data equal across ranks exactly when the values are: a tensor by
+    its values (its repr rounds, and names the device), a callable by its qualified name
+    (its repr holds an address that differs per process)."""
+    if torch.is_tensor(value):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.detach().cpu().tolist())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_comparable(v) for v in value)
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return repr(value)
 
 
 def _short(value: Any, limit: int = 160) -> str:
@@ -51,9 +65,18 @@ def _first_difference(mine: Any, theirs: Any, at: str = "") -> str:
     return f"{at}: {_short(mine)} vs {_short(theirs)}" if at else f"{_short(mine)} vs {_short(theirs)}"
 
 
-def check_ranks_agree(comm: Comm, described: dict[str, Any]) -> None:
-    """Raise on every rank if any rank's description differs from rank 0's."""
-    everyone = comm.all_gather_object(described)
+def check_ranks_agree(comm: Comm, described: Optional[dict[str, Any]], problem: Optional[BaseException]) -> None:
+    """Raise on every rank if a rank failed before this point (`problem`: re-raised on that
+    rank, named on the others) or if any rank's description differs from rank 0's."""
+    mine = {"problem": None if problem is None else f"{type(problem).__name__}: {problem}", "described": described}
+    everyone = comm.all_gather_object(mine)
+    failed = [(r, d["problem"]) for r, d in enumerate(everyone) if d["problem"] is not None]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise RuntimeError(f"rank {comm.rank}: zerodp.initialize failed on rank {failed[0][0]}"
+                           f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}: {failed[0][1]}")
+    everyone = [d["described"] for d in everyone]
     for key in described:
         values = [d.get(key) for d in everyone]
         differ = [r for r, v in enumerate(values) if v != values[0]]

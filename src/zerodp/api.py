@@ -144,20 +144,27 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
         materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
-                         f"there is nothing for zerodp to shard or train")
-    check_param_dtypes(named, config)
-    devices = {p.device for _, p in named}
-    if len(devices) != 1:
-        raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
-                         f"move the model to one device before zerodp.initialize")
-    device = devices.pop()
+    device = named[0][1].device if named else default_device()
     comm = Comm(process_group, device=default_device() if device.type == "meta" else device)
-    inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
-    check_ranks_agree(comm, describe(model, inner, config))
+    # A rank whose model or optimizer is wrong must not leave the others waiting in the
+    # agreement collective: its error travels with it (agreement.py).
+    inner, group_indices, described, problem = None, None, None, None
+    try:
+        if not named:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
+                             f"there is nothing for zerodp to shard or train")
+        check_param_dtypes(named, config)
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
+                             f"move the model to one device before zerodp.initialize")
+        inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
+        group_indices = _grouped_params(inner, named)
+        described = describe(model, inner, config)
+    except Exception as e:  # noqa: BLE001  (re-raised on this rank by check_ranks_agree)
+        problem = e
+    check_ranks_agree(comm, described, problem)
     check_elementwise(inner)
-    group_indices = _grouped_params(inner, named)
 
     if config.stage == 3:
         from .stage3 import shard_model

@@ -274,17 +274,20 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     return dist.get_rank(), dist.get_world_size()
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(wait: Optional[bool] = None) -> None:
     """Leave the process group joined by `init_distributed`. Every rank waits for the others
     first, so that no rank tears its connections down while a peer is still finishing its
     last collective (with gloo that aborts the peer). Called while an exception propagates
     (from a `finally:`), it does not wait: the peers may never reach the barrier, and the
     rank's own error must surface rather than hang; closing the group makes the peers fail
-    promptly. A no-op in a single process."""
+    promptly. After an error handled in an `except`, the exception is gone: pass
+    `wait=False` there (a barrier cannot be bounded while a peer sits in another
+    collective). A no-op in a single process."""
     if dist.is_available() and dist.is_initialized():
-        if sys.exc_info()[0] is None:
+        if wait is None:
+            wait = sys.exc_info()[0] is None
+        if wait:
             dist.barrier()
         else:
-            log.error("rank %d: leaving the process group without waiting for the others, because of %s",
-                      dist.get_rank(), sys.exc_info()[0].__name__)
+            log.error("rank %d: leaving the process group without waiting for the other ranks", dist.get_rank())
         dist.destroy_process_group()

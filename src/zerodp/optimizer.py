@@ -266,7 +266,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
-        self.last_grad_norm = self._norm_this_step = total
+        self.last_grad_norm = total
+        # A p-norm carries a nan/inf through its sums; a max over pieces and ranks can drop a
+        # nan, so the inf-norm is not reused for the non-finite check.
+        self._norm_this_step = None if math.isinf(norm_type) else total
         return total
 
     def _owns_all(self) -> bool:
