@@ -245,3 +245,22 @@ def test_two_jobs_saving_to_one_path(tmp_path):
 
     model, opt = zerodp.initialize(nn.Linear(8, 8), torch.optim.AdamW, zerodp.Config(stage=2), lr=1e-3)
     zerodp.load(path, model, opt)  # complete and consistent
+
+
+def test_overwriting_a_checkpoint_never_hides_it(tmp_path):
+    """While a job overwrites its checkpoint again and again, a reader always finds one:
+    the new directory is swapped in atomically (renameat2 RENAME_EXCHANGE on Linux)."""
+    import multiprocessing as mp
+
+    from checkpoint_cases import save_repeatedly
+
+    path = str(tmp_path / "ckpt")
+    assert save_repeatedly(path, 1, 0) == []
+    seen_missing = 0
+    with mp.get_context("spawn").Pool(1) as pool:
+        job = pool.apply_async(save_repeatedly, (path, 30, 0))
+        while not job.ready():
+            seen_missing += zerodp.latest(tmp_path) is None
+        assert job.get() == []
+    assert seen_missing == 0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -50,7 +50,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
+import ctypes.util
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -58,6 +61,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 
@@ -382,6 +386,11 @@ def _commit(tmp: str, path: str, files: dict) -> None:
     _write_json(side, {"format": FORMAT, "files": files})
     os.replace(side, os.path.join(tmp, COMPLETE))
     _fsync_dir(tmp)
+    if os.path.isdir(path) and not os.path.islink(path) and _exchange(tmp, path):
+        # One atomic swap: `path` is never missing, not even for a reader in between.
+        _fsync_dir(os.path.dirname(path))
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+        return
     displaced = []
     for attempt in range(8):
         if os.path.lexists(path):
@@ -401,7 +410,39 @@ def _commit(tmp: str, path: str, files: dict) -> None:
                 raise
     _fsync_dir(os.path.dirname(path))
     for old in displaced:
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or a link where the checkpoint was to go
+            os.unlink(old)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories atomically (Linux renameat2 with RENAME_EXCHANGE); False where
+    the C library or the filesystem cannot, and the caller renames in two steps instead."""
+    rename2 = _renameat2()
+    if rename2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if rename2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 # -- reading a checkpoint -------------------------------------------------------------
