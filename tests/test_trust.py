@@ -224,3 +224,11 @@ def test_shutdown_without_waiting_after_a_handled_error():
     with pytest.raises(RuntimeError):  # the peer's collective fails once the rank has left
         run_world(2, handled_error_then_shutdown, timeout_s=60)
     assert time.monotonic() - start < 45
+
+
+def test_inf_norm_is_nan_when_any_gradient_is():
+    import math
+
+    from trust_cases import inf_norm_with_nan
+
+    assert all(math.isnan(v) for v in run_world(2, inf_norm_with_nan, timeout_s=120))

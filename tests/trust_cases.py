@@ -574,3 +574,14 @@ def handled_error_then_shutdown(rank, world_size):
             zerodp.shutdown_distributed(wait=False)
         return "left"
     dist.all_reduce(torch.zeros(1 << 16))
+
+
+def inf_norm_with_nan(rank, world_size):
+    """A nan in the first layer's gradient on the last rank: the inf-norm is nan everywhere."""
+    model, opt = zerodp.initialize(Stack(), sgd, stack_cfg(2, nonfinite_grads="proceed"))
+    x, y = batch(0, rank)
+    opt.backward(loss_fn(model(x), y))
+    if rank == world_size - 1:
+        opt._prepare_grads()
+        opt.shards[0][0].master_tensors[-1].grad.view(-1)[-1] = float("nan")  # the flat layout's last piece: inp
+    return float(opt.clip_grad_norm_(1.0, norm_type=float("inf")))

@@ -253,9 +253,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         local = [g.float() for g in grads if g.numel()]
         norm_type = float(norm_type)
         if math.isinf(norm_type):
-            local_max = max((g.abs().max().item() for g in local), default=0.0)
-            total = torch.tensor(local_max if self._owns_all() else self.comm.max_scalar(local_max),
-                                 device=self.comm.device)
+            # torch.amax keeps a nan (Python's max and gloo's MAX may drop it): a nan anywhere
+            # makes the norm nan, as torch.nn.utils.clip_grad_norm_ reports it.
+            local_max = float(torch.stack([g.abs().amax() for g in local]).amax()) if local else 0.0
+            if self._owns_all():
+                total = torch.tensor(local_max, device=self.comm.device)
+            else:
+                nan_seen = self.comm.sum_scalar(torch.tensor(local_max * 0.0))  # nan if any rank's is
+                total = torch.tensor(self.comm.max_scalar(local_max) + float(nan_seen), device=self.comm.device)
         else:
             local_sum = sum((g.pow(norm_type).sum() for g in local), torch.zeros((), dtype=torch.float64, device=self.comm.device))
             if not self._owns_all():
