@@ -144,7 +144,7 @@ class GradReducer(BackwardSchedule):
         self.pool = BufferPool()
         # Buckets in launch order: by when their last parameter is expected to finish in
         # backward (reverse registration order), identical on every rank, until the first
-        # reducing backward has shown the real order (`_adopt_ready_order`).
+        # reducing backward has shown the real order (`adopt_recorded_order`).
         self.buckets: list[_Bucket] = []
         self._param_buckets: dict[int, list[_Bucket]] = {}
         for g in groups:
@@ -165,7 +165,7 @@ class GradReducer(BackwardSchedule):
                                for b in self.buckets}
         self._next = 0
         self._in_flight: deque = deque()
-        self._ready_order: Optional[list[int]] = []  # recorded on the first reducing backward; None once adopted
+        self._bucket_index = {id(b): i for i, b in enumerate(self.buckets)}  # in the order recorded against
         for g in groups:
             for pi, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(g, pi))
@@ -196,8 +196,8 @@ class GradReducer(BackwardSchedule):
             return
         for b in buckets:
             b.pending -= 1
-            if b.pending == 0 and self._ready_order is not None:
-                self._ready_order.append(self.buckets.index(b))
+            if b.pending == 0:
+                self.record_done(self._bucket_index[id(b)])
         self._launch_ready(flush=False)
 
     def _launch_ready(self, flush: bool) -> None:
@@ -290,7 +290,8 @@ class GradReducer(BackwardSchedule):
             return
         self._launch_ready(flush=True)
         self._wait_all()
-        self._adopt_ready_order()
+        if self.recording_order:
+            self.buckets = [self.buckets[i] for i in self.adopt_recorded_order(list(range(len(self.buckets))))]
         self._reset_buckets()
 
     def _wait_all(self) -> None:
@@ -298,25 +299,11 @@ class GradReducer(BackwardSchedule):
             self._finish(b)
         self._in_flight.clear()
 
-    def _adopt_ready_order(self) -> None:
-        """After the first reducing backward, launch buckets in the order they became ready
-        (rank 0's, so every rank issues the same collectives), as DDP rebuilds its buckets:
-        a model that registers its modules in another order than it runs them would
-        otherwise hold every gradient until the first-registered bucket is ready."""
-        if self._ready_order is None:
-            return
-        seen = self.agree_on_order(self._ready_order)
-        self._ready_order = None
-        rest = [i for i in range(len(self.buckets)) if i not in set(seen)]
-        self.buckets = [self.buckets[i] for i in seen + rest]
-
     def reset(self) -> None:
         """After a backward that raised: wait for what is in flight, return every buffer."""
         super().reset()
         self._wait_all()
         self._reset_buckets()
-        if self._ready_order is not None:
-            self._ready_order = []
 
     def after_step(self) -> None:
         super().after_step()

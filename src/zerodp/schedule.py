@@ -22,6 +22,7 @@ the failed pass's partial gradients into the next step.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -58,6 +59,9 @@ class BackwardSchedule:
         self.grads_ready = False  # the boundary backward has finished reducing
         self._backward_open = False  # a backward began and its end callback is queued
         self._fired: set = set()  # parameters whose gradient arrived in this backward
+        # Buckets or units in the order they were done in the first reducing backward;
+        # None once that order is adopted (`adopt_recorded_order`).
+        self._recorded: Optional[list[int]] = []
 
     @property
     def at_boundary(self) -> bool:
@@ -135,9 +139,31 @@ class BackwardSchedule:
                 f"failed step")
 
     # -- across passes -------------------------------------------------------------------------
-    def agree_on_order(self, order: list[int]) -> list[int]:
-        """Rank 0's order, on every rank: reductions must be issued in one order everywhere."""
-        return list(self.comm.all_gather_object(list(order))[0])
+    def agreed_order(self, first: list[int], order: list[int]) -> list[int]:
+        """`order` with rank 0's `first` moved to the front, on every rank (reductions must
+        be issued in one order everywhere); the rest keep their places."""
+        first = list(self.comm.all_gather_object(list(first))[0])
+        chosen = set(first)
+        return first + [i for i in order if i not in chosen]
+
+    @property
+    def recording_order(self) -> bool:
+        return self._recorded is not None
+
+    def record_done(self, item: int) -> None:
+        """A bucket or unit was done (its reduction could launch) in the first reducing backward."""
+        if self._recorded is not None:
+            self._recorded.append(item)
+
+    def adopt_recorded_order(self, order: list[int]) -> list[int]:
+        """Once, after the first reducing backward: `order` led by what that backward
+        recorded, as DDP rebuilds its buckets after its first iteration. A model that
+        registers its modules in another order than it runs them would otherwise hold every
+        gradient until the first-registered bucket or unit is done."""
+        if self._recorded is None:
+            return order
+        recorded, self._recorded = self._recorded, None
+        return self.agreed_order(recorded, order)
 
     def after_step(self) -> None:
         self.micro_step = 0
@@ -149,3 +175,5 @@ class BackwardSchedule:
         self._fired.clear()
         self.micro_step = 0
         self.grads_ready = False
+        if self._recorded is not None:  # the failed pass's record is partial
+            self._recorded = []

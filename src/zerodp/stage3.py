@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Union
 
 import torch
 import torch.nn as nn
@@ -68,9 +68,8 @@ class Stage3Engine(BackwardSchedule):
         self._works: list = []
         self._next_reduce = 0
         # Reduce order: children finish backward before the units registered before them,
-        # until the first reducing backward has shown the real order (`_adopt_done_order`).
+        # until the first reducing backward has shown the real order (`adopt_recorded_order`).
         self.reduce_order = list(reversed(range(self.root))) + [self.root]
-        self._done_order: Optional[list[int]] = []
         self._order_guessed = False
         self.gathered_peak_nbytes = 0
         self._on_cpu = units[-1].shard.device.type == "cpu"
@@ -173,7 +172,7 @@ class Stage3Engine(BackwardSchedule):
                 for t in output_tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._make_pre_backward(ui))
-            if ui == self.root and training and self._done_order == [] and not self._order_guessed:
+            if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
             if self.config.reshard_after_forward or not training:
                 self.units[ui].reshard()
@@ -236,8 +235,8 @@ class Stage3Engine(BackwardSchedule):
             self._pending[ui] -= 1
             if self._pending[ui] == 0:
                 self._unit_done(ui)
-                if self._done_order is not None and self.reduces_now:
-                    self._done_order.append(ui)
+                if self.reduces_now:
+                    self.record_done(ui)
                 self._launch_reductions(flush=False)
         return hook
 
@@ -283,7 +282,7 @@ class Stage3Engine(BackwardSchedule):
         self._launch_reductions(flush=True)
         if self.reduces_now:
             self._wait_all()
-            self._adopt_done_order()
+            self.reduce_order = self.adopt_recorded_order(self.reduce_order)
         if self.forward_order:
             self._recording = False
         self._reset_backward_state()
@@ -301,19 +300,8 @@ class Stage3Engine(BackwardSchedule):
         order, a better guess than reverse registration order for a model that registers
         its modules in another order than it runs them (rank 0's, as everywhere)."""
         self._order_guessed = True
-        guess = self.agree_on_order([ui for ui in reversed(self.forward_order) if ui != self.root])
-        self.reduce_order = guess + [ui for ui in self.reduce_order if ui not in set(guess)]
-
-    def _adopt_done_order(self) -> None:
-        """After the first reducing backward, reduce units in the order their gradients
-        were done (rank 0's, the same collectives on every rank), as DDP rebuilds its
-        buckets: with modules registered in another order than they run, the fixed order
-        would hold every unit's gradient buffer until the first-registered one is done."""
-        if self._done_order is None:
-            return
-        seen = self.agree_on_order(self._done_order)
-        self._done_order = None
-        self.reduce_order = seen + [ui for ui in self.reduce_order if ui not in set(seen)]
+        self.reduce_order = self.agreed_order([ui for ui in reversed(self.forward_order) if ui != self.root],
+                                              self.reduce_order)
 
     def reset(self) -> None:
         """After a backward or forward that raised ([Note: failed backward] in schedule.py):
@@ -328,8 +316,6 @@ class Stage3Engine(BackwardSchedule):
             unit.reshard()
         self._used.clear()
         self._reset_backward_state()
-        if self._done_order is not None:
-            self._done_order = []
 
 
 def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, group_indices: list[list[int]],
