@@ -284,13 +284,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward before step()")
-        # Step hooks (torch.optim's register_step_pre_hook / _post_hook, global and this
-        # optimizer's) run once per step, as on any torch optimizer.
-        for hook in [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()]:
-            hook(self, (), {})
+        self._run_step_hooks(post=False)
         if self._nothing_to_step():
-            for hook in [*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]:
-                hook(self, (), {})
+            self._run_step_hooks(post=True)
             return None
         self._prepare_grads()
         nonfinite = self._nonfinite_without_scaler()
@@ -316,9 +312,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.ledger.end_step()
         if self._on_cpu:  # see [Note: long-lived host buffers]
             hostmem.release_free_heap()
-        for hook in [*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]:
-            hook(self, (), {})
+        self._run_step_hooks(post=True)
         return None
+
+    def _run_step_hooks(self, post: bool) -> None:
+        """torch.optim's step hooks (global ones and this optimizer's), in torch's order,
+        once per step as on any torch optimizer."""
+        hooks = ([*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()] if post
+                 else [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()])
+        for hook in hooks:
+            hook(self, (), {})
 
     def _nothing_to_step(self) -> bool:
         """`zero_grad()` then `step()` with no backward in between: torch's optimizers find
@@ -528,9 +531,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds, counted from its storages: [Note: measured ledger]."""
         census = Census()
         storages = [s.storage for s in self._all_shards()]
-        census.claim("params", (t for st in storages for t in st.held_tensors()["params"]))
+        held_by = [st.held_tensors() for st in storages]
+        census.claim("params", (t for held in held_by for t in held["params"]))
         census.claim("master", (m for s in self._all_shards() for m in s.master_tensors))
-        census.claim("grads", (t for st in storages for t in st.held_tensors()["grads"]))
+        census.claim("grads", (t for held in held_by for t in held["grads"]))
         census.claim("grads", (m.grad for s in self._all_shards() for m in s.master_tensors))
         census.claim("optimizer_states", (v for p, state in self.inner.state.items()
                                           for v in state.values() if is_elementwise_state(v, p)))

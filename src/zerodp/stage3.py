@@ -424,8 +424,7 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
             with torch.no_grad():
                 for engine, unit in chosen:
                     engine.comm.broadcast(unit.full, 0, "init")
-                    c = unit.layout.chunk(0, unit.rank)
-                    unit.shard.copy_(unit.full[c.flat_start: c.flat_start + c.numel])
+                    unit.shard.copy_(unit.own_chunk(unit.full))
                 if optimizer is not None:
                     optimizer.refresh_master_from_params()
         for _, unit in chosen:

@@ -145,8 +145,7 @@ class FlatUnit:
         # of the full values lets `shard_model` check that all ranks drew the same ones.
         self.init_fingerprint = None if sync_from_rank0 else (
             float(full_fp32.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(full_fp32, dtype=torch.float64)))
-        chunk = self.layout.chunk(0, self.rank)
-        own = full_fp32[chunk.flat_start: chunk.flat_start + chunk.numel]
+        own = self.own_chunk(full_fp32)
         # Long-lived, so outside the C heap: [Note: long-lived host buffers] in hostmem.py.
         self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
         self.shard = hostmem.copy_of(own, compute_dtype)
@@ -247,16 +246,17 @@ class FlatUnit:
         if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
             self._new_grad_full()
         self.grad_full.div_(self.world_size)  # average, dividing first as DDP does
-        out = self._own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
+        out = self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
         return comm.reduce_scatter(out, self.grad_full, "backward", async_op=async_op)
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
         if accumulate and self.grad_full is not None:
-            self.ensure_grad_shard().add_(self._own_chunk(self.grad_full))
+            self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
         self.free_grads()
 
-    def _own_chunk(self, full: torch.Tensor) -> torch.Tensor:
+    def own_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a full, flat buffer of the unit."""
         c = self.layout.chunk(0, self.rank)
         return full[c.flat_start: c.flat_start + c.numel]
 
