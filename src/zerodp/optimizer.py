@@ -230,18 +230,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"run optimizer.backward(loss) (grad_accumulation_steps={self.config.grad_accumulation_steps} "
                 f"backward calls per step, {self.grad_sync.micro_step} so far) first")
         inv_scale = 1.0 / self.scaler.scale
-        local_inf = False
         for shard in self._all_shards():
             for m, g in zip(shard.master_tensors, shard.storage.owned_grads()):
                 # The reduced gradient itself when it is fp32 (no copy); else an fp32 upcast.
                 m.grad = g.view(m.shape) if g.dtype == torch.float32 else g.float().view(m.shape)
-            for m in shard.master_tensors:
                 if inv_scale != 1.0:
                     m.grad.mul_(inv_scale)
-                if self.config.uses_loss_scaling and not torch.isfinite(m.grad).all():
-                    local_inf = True
         if self.config.uses_loss_scaling:
-            self._found_inf = self.comm.max_scalar(float(local_inf)) > 0
+            self._found_inf = self._grads_nonfinite()
         self._grads_prepared = True
 
     @torch.no_grad()
@@ -328,26 +324,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         every gradient None and change nothing; so does this one (no step is counted)."""
         return self._zeroed and not self.grad_sync.grads_ready and self.grad_sync.micro_step == 0
 
-    def _nonfinite_without_scaler(self) -> bool:
-        """fp32/bf16: whether the global gradient holds a nan/inf, per Config.nonfinite_grads
-        (fp16's loss scaler checks its own). The norm from clip_grad_norm_ is already global;
-        otherwise each rank sums its shard (nan and inf survive a sum) and one scalar is
-        all-reduced: 14 ms for the 124M GPT's 62M-element fp32 shard on one CPU core, 0.3%
-        of its step (a float64 sum took 0.34 s, isfinite().all() 0.17 s). Raises for
-        "raise", before the master weights are touched."""
-        policy = self.config.nonfinite_grads
-        if self.config.uses_loss_scaling or policy == "proceed":
-            return False
+    def _grads_nonfinite(self) -> bool:
+        """Whether the global (unscaled) gradient holds a nan/inf, on every rank alike. The
+        norm from clip_grad_norm_ is already global; otherwise each rank sums its shard (nan
+        and inf survive a sum) and one scalar is all-reduced: 14 ms for the 124M GPT's
+        62M-element fp32 shard on one CPU core, 0.3% of its step (a float64 sum took
+        0.34 s, isfinite().all() 0.17 s)."""
         if self._norm_this_step is not None:
-            total = float(self._norm_this_step)
-        else:
-            local = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-            for s in self._all_shards():
-                for m in s.master_tensors:
-                    if m.grad is not None and m.grad.numel():
-                        local += m.grad.sum()
-            total = float(local if self._owns_all() else self.comm.sum_scalar(local))
-        if math.isfinite(total):
+            return not math.isfinite(float(self._norm_this_step))
+        local = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+        for s in self._all_shards():
+            for m in s.master_tensors:
+                if m.grad is not None and m.grad.numel():
+                    local += m.grad.sum()
+        return not math.isfinite(float(local if self._owns_all() else self.comm.sum_scalar(local)))
+
+    def _nonfinite_without_scaler(self) -> bool:
+        """fp32/bf16: whether to skip this step for a nan/inf gradient, per
+        Config.nonfinite_grads (fp16's loss scaler has its own verdict, `_found_inf`).
+        Raises for "raise", before the master weights are touched."""
+        policy = self.config.nonfinite_grads
+        if self.config.uses_loss_scaling or policy == "proceed" or not self._grads_nonfinite():
             return False
         if policy == "raise":
             self._grads_prepared = False
