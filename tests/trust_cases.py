@@ -331,8 +331,8 @@ def _ledger_and_census(cfg, pbytes, master, world_size):
     model = gpt_tiny()
     # The storages (not the tensors: a parameter's .data is swapped) are held, so no address
     # of theirs can be reused by what initialize allocates.
-    baseline = [o.untyped_storage() for o in gc.get_objects() if torch.is_tensor(o) and not o.is_meta]
-    before = {(st.data_ptr(), st.device) for st in baseline}
+    baseline: list = []
+    before = set(live_tensor_storages(hold=baseline))
     model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-3)
     _micro_batches(model, opt, steps=1)
     after_step = opt.memory_report()

@@ -116,9 +116,11 @@ def walk_tensors(root) -> Iterator[tuple[str, torch.Tensor]]:
             stack.append((f"{type(obj).__name__}.param_groups", obj.param_groups))
 
 
-def live_tensor_storages() -> dict:
+def live_tensor_storages(hold: list | None = None) -> dict:
     """Every storage behind a live Python tensor in this process, found by the garbage
-    collector (independent of what zerodp thinks it holds): key -> nbytes."""
+    collector (independent of what zerodp thinks it holds): key -> nbytes. With `hold`,
+    the storages are also appended to it, so that none is freed (and its address reused)
+    while the caller compares this census with a later one."""
     import gc
 
     out = {}
@@ -128,6 +130,8 @@ def live_tensor_storages() -> dict:
                 key, nbytes = storage_key(obj)
                 if nbytes:
                     out[key] = nbytes
+                    if hold is not None:
+                        hold.append(obj.untyped_storage())
         except (RuntimeError, ReferenceError):  # tensors without storage (e.g. sparse, functional wrappers)
             continue
     return out
