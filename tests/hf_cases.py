@@ -223,3 +223,50 @@ def hf_world(rank, world_size):
     r["summed_vs_ref"] = max_rel_diff(summed, ref)
     out[("gpt2", "fp32", 3, "sgd")] = r
     return out
+
+
+def causal_loss_micro(model, step, rank, dtype=torch.float32, micro=0, micro_batches=1):
+    """causal_loss on micro-batch `micro` of `micro_batches` (rows of the step's batch); every
+    row has SEQ - 1 predicted tokens, so the mean of the micro-batch means is the batch's."""
+    _, ids = _ids(step, rank)
+    ids = ids[micro::micro_batches]
+    return model(input_ids=ids, labels=ids).loss
+
+
+def with_checkpointing(builder):
+    def build():
+        model = builder()
+        model.gradient_checkpointing_enable()  # HF's defaults, as a user turns it on
+        return model
+    return build
+
+
+def hf_user_path(rank, world_size):
+    """What a user of an HF causal LM turns on together: the model's own gradient
+    checkpointing (HF defaults), gradient accumulation over 2 micro-batches, automatic
+    units, bf16 and fp32, stages 2 and 3; against DDP on the whole batch without
+    checkpointing (recomputation gives the same values)."""
+    out = {}
+    for name in ("gpt2", "llama"):
+        builder = MODELS[name][0]
+        for precision in ("fp32", "bf16"):
+            dtype = zerodp.Config(mixed_precision=precision).compute_dtype
+            ref, ref_losses, _ = train_reference(builder, adamw, dtype, rank, steps=STEPS, loss_of=causal_loss)
+            init = _initial(builder, dtype)
+            want = _ref_params(ref)
+            for stage in (2, 3):
+                cfg = zerodp.Config(stage=stage, mixed_precision=precision, grad_accumulation_steps=2)
+                model, opt, losses, _, _ = train_zerodp(with_checkpointing(builder), adamw, cfg, rank, steps=STEPS,
+                                                        micro_batches=2, loss_of=causal_loss_micro)
+                got = full_params(model)
+                out[(name, precision, stage)] = {
+                    "params": rel(got, want), "update_rel": _update_rel(got, want, init),
+                    "checkpointing": model.is_gradient_checkpointing,
+                    "units": _units_of(opt)["names"] if stage == 3 else None,
+                    "memory": {"other": dict(opt.memory_report().other_by_owner)}}
+    return out
+
+
+def hf_all(rank, world_size):
+    """Both grids in one spawned world (spawning and importing transformers is the slow part)."""
+    return {"grid": hf_world(rank, world_size), "user": hf_user_path(rank, world_size)}
