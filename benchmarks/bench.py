@@ -72,7 +72,7 @@ def peak_rss_bytes() -> int:
 def build_model(preset: str):
     """The bundled GPT, initialised identically on every rank."""
     import torch
-    from zerodp.models import GPT
+    from zerodp.demo.models import GPT
 
     torch.manual_seed(SEED)
     model = GPT(preset)
@@ -161,7 +161,7 @@ def setup_fsdp2(model, args) -> Trainer:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from zerodp.models import Block
+    from zerodp.demo.models import Block
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.modules():
@@ -179,7 +179,7 @@ def make_setup_zerodp(stage: int):
     def setup(model, args) -> Trainer:
         import torch
         import zerodp
-        from zerodp.models import Block
+        from zerodp.demo.models import Block
 
         cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block])
         zmodel, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **adamw_kwargs())
@@ -226,7 +226,7 @@ def worker(args) -> None:
     everyone = [None] * ws
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        from zerodp.estimator import model_state_bytes
+        from zerodp.memory.estimator import model_state_bytes
 
         slowest = [max(r["step_s"][i] for r in everyone) for i in range(args.steps)]
         loss_mean = [statistics.fmean(r["losses"][i] for r in everyone) for i in range(args.steps)]

@@ -53,7 +53,7 @@ def setup(variant: str, model):
 
     if variant.startswith("zerodp"):
         import zerodp
-        from zerodp.models import Block
+        from zerodp.demo.models import Block
 
         cfg = zerodp.Config(stage=int(variant[-1]), mixed_precision="fp32", unit_modules=[Block])
         model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **bench.adamw_kwargs())
@@ -65,7 +65,7 @@ def setup(variant: str, model):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from zerodp.models import Block
+    from zerodp.demo.models import Block
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for m in model.modules():

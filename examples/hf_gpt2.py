@@ -12,7 +12,7 @@ import sys
 import torch
 
 import zerodp
-from zerodp.data import TokenBatches, load_splits
+from zerodp.demo.data import TokenBatches, load_splits
 
 
 def main():

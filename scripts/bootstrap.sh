@@ -17,4 +17,4 @@ PYEOF
 then
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[test]"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[test,plot]"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerodp
-from zerodp.models import GPT, Block, gpt_config
+from zerodp.demo.models import GPT, Block, gpt_config
 
 # Tolerances. zerodp and the reference do the same math in the same dtype but sum the
 # ranks' gradients in a different order (flat buckets, reduce-scatter vs DDP's all-reduce),

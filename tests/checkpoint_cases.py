@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
-from zerodp import checkpoint
-from zerodp.models import GPT, Block, GPTConfig
+from zerodp.checkpoint import files as ckpt_files
+from zerodp.checkpoint import format as ckpt_format
+from zerodp.checkpoint import reader as ckpt_reader
+from zerodp.demo.models import GPT, Block, GPTConfig
 
 TRAIN = 3  # steps before the save, and after it
 SMALL_BUCKET = 4096  # bytes: the model spans several buckets
@@ -153,9 +155,9 @@ def max_rel(a: dict, b: dict) -> float:
 def saved_arrays(path) -> dict:
     """Every element range of every master and optimizer state in a checkpoint, assembled
     per parameter: what a checkpoint holds, independently of how it was sharded."""
-    path, meta, files = checkpoint._open_checkpoint(path)
+    path, meta, files = ckpt_reader.open_checkpoint(path)
     out = {}
-    with checkpoint._Reader(path, files) as reader:
+    with ckpt_reader.Reader(path, files) as reader:
         for name, info in meta["params"].items():
             numel = int(np.prod(info["shape"]))
             for kind in ["master"] + [f"state/{k}" for k in meta["state_keys"]]:
@@ -258,7 +260,7 @@ def crash_during_save(root, rank):
     out = {}
 
     # Rank 1 dies of a full disk half-way through writing its shard.
-    real_write = checkpoint._write_safetensors
+    real_write = ckpt_files.write_safetensors
 
     def half_write(file, tensors):
         real_write(file, tensors)
@@ -267,31 +269,31 @@ def crash_during_save(root, rank):
         raise OSError(28, "No space left on device")
 
     if rank == 1:
-        checkpoint._write_safetensors = half_write
+        ckpt_files.write_safetensors = half_write
     try:
         out["rank1_fails"] = error_of(lambda: zerodp.save(os.path.join(root, "crash", "step4"), model, opt))
     finally:
-        checkpoint._write_safetensors = real_write
+        ckpt_files.write_safetensors = real_write
     barrier()
     out["after_rank1_fails"] = {"latest": zerodp.latest(os.path.join(root, "crash")),
                                 "listing": sorted(os.listdir(os.path.join(root, "crash")))}
 
     # Rank 0 fails writing COMPLETE (a full disk at the last moment), to a new path and to
     # the path of the previous checkpoint: nothing partial is left, the previous one stays.
-    real_write_json = checkpoint._write_json
+    real_write_json = ckpt_files.write_json
 
     def no_marker(file, obj):
-        if os.path.basename(file).startswith(checkpoint.COMPLETE):
+        if os.path.basename(file).startswith(ckpt_format.COMPLETE):
             raise OSError(28, "No space left on device")
         return real_write_json(file, obj)
 
     if rank == 0:
-        checkpoint._write_json = no_marker
+        ckpt_files.write_json = no_marker
     try:
         out["rank0_fails"] = error_of(lambda: zerodp.save(os.path.join(root, "crash", "step5"), model, opt))
         out["rank0_fails_overwrite"] = error_of(lambda: zerodp.save(good, model, opt))
     finally:
-        checkpoint._write_json = real_write_json
+        ckpt_files.write_json = real_write_json
     barrier()
     out["after_rank0_fails"] = {"latest": zerodp.latest(os.path.join(root, "crash")),
                                 "listing": sorted(os.listdir(os.path.join(root, "crash")))}
@@ -325,7 +327,7 @@ def _damaged_copies(root, good):
         b = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([b[0] ^ 0xFF]))
-    os.remove(os.path.join(copy("incomplete"), checkpoint.COMPLETE))
+    os.remove(os.path.join(copy("incomplete"), ckpt_format.COMPLETE))
     not_ckpt = os.path.join(bad, "not_a_checkpoint")
     os.makedirs(not_ckpt)
     open(os.path.join(not_ckpt, "notes.txt"), "w").close()

@@ -11,8 +11,8 @@ from torch.utils.checkpoint import checkpoint
 import zerodp
 from core_cases import max_rel_diff, train_reference, train_zerodp
 from zerodp.memory import formula_bytes
-from zerodp.models import GPT, Block, GPTConfig
-from zerodp.units import UnitState
+from zerodp.demo.models import GPT, Block, GPTConfig
+from zerodp.sharding.flat_unit import UnitState
 
 STEPS = 4
 

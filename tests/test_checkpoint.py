@@ -14,7 +14,7 @@ from harness import run_world
 from safetensors.torch import load_file
 
 import zerodp
-from zerodp.models import GPT
+from zerodp.demo.models import GPT
 
 # fp32: runs at different world sizes or stages differ only in the order gloo sums the
 # per-rank gradients (a few ulps per step); Adam keeps that relative, so after 3 steps

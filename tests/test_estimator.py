@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from zerodp.estimator import (
+from zerodp.memory.estimator import (
     GB,
     MemoryRow,
     activation_bytes,

@@ -1,9 +1,9 @@
-"""Long-lived buffers outside the C heap (zerodp.hostmem)."""
+"""Long-lived buffers outside the C heap (zerodp.memory.hostmem)."""
 import gc
 
 import torch
 
-from zerodp import hostmem
+from zerodp.memory import hostmem
 
 MIB = 2**20
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerodp.data import (
+from zerodp.demo.data import (
     TokenBatches,
     decode,
     encode,
@@ -13,7 +13,7 @@ from zerodp.data import (
     load_splits,
     split_tokens,
 )
-from zerodp.models import GPT, PRESETS, GPTConfig, gpt_config
+from zerodp.demo.models import GPT, PRESETS, GPTConfig, gpt_config
 
 
 def _owns_params(module: nn.Module) -> bool:

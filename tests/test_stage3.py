@@ -122,8 +122,8 @@ def test_automatic_units_by_parameter_count():
     import torch
 
     import zerodp
-    from zerodp.models import GPT
-    from zerodp.units import select_units
+    from zerodp.demo.models import GPT
+    from zerodp.sharding.units import select_units
 
     model = GPT("tiny")
     block = sum(p.numel() for p in model.transformer.h[0].parameters())
@@ -170,7 +170,7 @@ def test_born_on_meta_below_stage_3_is_materialised_whole():
     import torch
 
     import zerodp
-    from zerodp.models import GPT
+    from zerodp.demo.models import GPT
 
     torch.manual_seed(0)
     eager = GPT("tiny")

@@ -125,7 +125,7 @@ def test_parameter_used_outside_its_unit_raises_naming_it(world):
 def test_comm_refuses_tensors_off_its_device():
     import torch
 
-    from zerodp.comm import Comm
+    from zerodp.distributed import Comm
 
     comm = Comm(device=torch.device("meta"))
     with pytest.raises(ValueError, match="on cpu, but this process group communicates tensors on meta"):
@@ -138,7 +138,7 @@ def test_comm_refuses_tensors_off_its_device():
 def test_automatic_units_are_modules_that_run():
     import torch.nn as nn
 
-    from zerodp.units import select_units
+    from zerodp.sharding.units import select_units
     from trust_cases import Stack
 
     model = Stack(width=64, depth=3)  # each block 4,160 parameters, the ModuleList 12,480

@@ -14,7 +14,7 @@ import zerodp
 from core_cases import SMALL_BUCKET, Net, _error_of, batch, loss_fn, max_rel_diff, train_reference, train_zerodp
 from stage3_cases import full_params, gpt_loss, gpt_tiny, rel
 from zerodp.memory import Census, formula_bytes, live_tensor_storages, walk_tensors
-from zerodp.models import Block
+from zerodp.demo.models import Block
 
 STEPS = 4
 

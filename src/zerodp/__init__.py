@@ -4,20 +4,18 @@
     model, optimizer = zerodp.initialize(model, torch.optim.AdamW, zerodp.Config(stage=2), lr=3e-4)
 """
 from .api import initialize
-from .checkpoint import latest, load, save
-from .full_state import consolidate, export, load_pretrained
-from .comm import CommLedger, init_distributed, shutdown_distributed
+from .checkpoint import consolidate, export, latest, load, load_pretrained, save
 from .config import Config, ConfigError
-from .estimator import estimate
-from .materialize import init
-from .memory import MemoryReport
-from .optimizer import ZeroOptimizer
-from .stage3 import gathered_parameters
-
-__version__ = "0.1.0"
+from .distributed import CommLedger, Topology, init_distributed, shutdown_distributed
+from .memory.estimator import estimate
+from .memory.ledger import MemoryReport
+from .optim import ZeroOptimizer
+from .schedule.stage3 import gathered_parameters
+from .sharding.meta_init import init
+from .version import __version__
 
 __all__ = [
-    "Config", "ConfigError", "CommLedger", "MemoryReport", "ZeroOptimizer",
+    "Config", "ConfigError", "CommLedger", "MemoryReport", "Topology", "ZeroOptimizer",
     "init_distributed", "shutdown_distributed", "init", "initialize", "gathered_parameters",
     "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
     "__version__",

@@ -83,37 +83,23 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     import time
 
     from zerodp.config import Config
-    from zerodp.train import add_arguments, to_argv
+    from zerodp.demo.train import add_arguments, to_argv
 
     nproc = check_nproc(args.nproc)
     if args.config:
         if not os.path.isfile(args.config):
             raise UsageError(f"--config {args.config}: no such file")
-        try:
-            cfg = Config.from_file(args.config)
+        try:  # a bad file is a one-line usage error here, not a traceback from every rank
+            Config.from_file(args.config)
         except Exception as e:  # ConfigError, JSON/YAML syntax
             raise UsageError(f"--config {args.config}: {e}") from None
-        stage = args.stage if args.stage is not None else cfg.stage
-    else:
-        stage = args.stage if args.stage is not None else 3
-    if stage == 3:
-        import importlib.util
-
-        if importlib.util.find_spec("zerodp.stage3") is None:
-            raise UsageError("stage 3 is not available in this install (no zerodp.stage3): use --stage 0, 1 or 2")
-    if args.resume or args.ckpt_dir or args.ckpt_every:
-        import zerodp
-
-        if not all(hasattr(zerodp, f) for f in ("save", "load", "latest")):
-            raise UsageError("checkpoints (--ckpt-dir, --ckpt-every, --resume) need zerodp.save/load/latest, "
-                             "which this install lacks")
     if args.resume and not args.ckpt_dir and not args.out:
         raise UsageError("--resume needs --ckpt-dir (or the --out of the run to continue)")
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     template = argparse.ArgumentParser(add_help=False)
     add_arguments(template)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "zerodp.train", *to_argv(args, template)]
+           "-m", "zerodp.demo.train", *to_argv(args, template)]
     status = run_child(cmd, torchrun_env())
     if status != 0:
         return fail("zerodp train", f"training failed (exit status {status}); the ranks' messages are above",
@@ -153,8 +139,8 @@ def parse_count(text: str) -> int:
 
 
 def _resolve_model(args) -> Optional[tuple[str, int]]:
-    from zerodp import estimator
-    from zerodp.models import PRESETS
+    from zerodp.memory import estimator
+    from zerodp.demo.models import PRESETS
 
     given = [x for x in (args.params, args.model, args.model_config) if x is not None]
     if len(given) > 1:
@@ -167,7 +153,7 @@ def _resolve_model(args) -> Optional[tuple[str, int]]:
         if args.model in PRESETS:  # zerodp's own GPT presets, counted exactly on the meta device
             import torch
 
-            from zerodp.models import GPT
+            from zerodp.demo.models import GPT
 
             with torch.device("meta"):
                 return args.model, GPT(args.model).num_params()
@@ -186,7 +172,7 @@ def _resolve_model(args) -> Optional[tuple[str, int]]:
 
 
 def cmd_estimate(args: argparse.Namespace, argv: list[str]) -> int:
-    from zerodp import estimator as est
+    from zerodp.memory import estimator as est
 
     if args.paper_table_1:
         print("ZeRO (arXiv 1910.02054) Table 1: model-state GB per device, mixed-precision Adam (K=12)")
@@ -305,8 +291,8 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 # -- the parser -----------------------------------------------------------------------------
 def build_parser() -> Parser:
-    from zerodp import estimator
-    from zerodp.train import add_arguments
+    from zerodp.memory import estimator
+    from zerodp.demo.train import add_arguments
 
     p = Parser(prog=PROG, description="ZeRO data parallelism for PyTorch (arXiv 1910.02054).")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

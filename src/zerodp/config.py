@@ -37,6 +37,12 @@ class Config:
     """ZeRO stage: 0 = DDP (all-reduce), 1 = shard optimizer states, 2 = also gradients,
     3 = also parameters (ZeRO, arXiv 1910.02054, §5.1-5.3)."""
 
+    replicate_size: int = 1
+    """Rows of the data-parallel mesh ([Note: mesh axes] in distributed/topology.py): the
+    ranks are a replicate x shard grid and model states are sharded along each row only.
+    1 shards over every rank, the only value supported so far; hybrid sharding (shard
+    within a node, replicate across nodes) will take the number of nodes."""
+
     mixed_precision: str = "fp32"
     """Compute dtype of the model's parameters: "fp32", "bf16" or "fp16". With bf16/fp16 the
     optimizer updates an fp32 master copy of each rank's shard."""
@@ -131,6 +137,7 @@ class Config:
         _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
         _positive_int("bucket_bytes", self.bucket_bytes)
         _positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
+        _positive_int("replicate_size", self.replicate_size)
         _positive_int("unit_min_params", self.unit_min_params)
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")

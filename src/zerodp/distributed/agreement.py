@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm
-from .config import Config
+from ..config import Config
 
 
 def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> dict[str, Any]:

@@ -2,13 +2,13 @@
 category next to what DDP would hold (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
+import matplotlib  # the optional `plot` extra: importing this module without it raises ImportError
+
 CATEGORIES = ("params", "grads", "master", "optimizer_states")
 
 
 def plot_run(path: str, summary: dict) -> None:
-    """Write a two-panel PNG of `summary` (the dict `zerodp.train` writes to summary.json)."""
-    import matplotlib
-
+    """Write a two-panel PNG of `summary` (the dict `zerodp.demo.train` writes to summary.json)."""
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,7 +1,7 @@
 """A plain model out, a plain model in: consolidate a sharded checkpoint into one full
 state dict (and export it as one safetensors file), and fill a sharded model from a full
 state dict, each rank reading only the elements it owns. See [Note: checkpoint layout]
-in checkpoint.py.
+in format.py.
 """
 from __future__ import annotations
 
@@ -15,23 +15,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import (
-    CheckpointError,
+from .files import write_safetensors
+from .format import (
     REPLICATED,
     TMP_TAG,
-    _ModelView,
-    _Reader,
-    _describe,
-    _dtype_name,
-    _flat_range,
-    _model_view,
-    _name_mismatch,
-    _open_checkpoint,
-    _raise_if_failed,
-    _write_replicated,
-    _write_safetensors,
+    CheckpointError,
+    ModelView,
     PathLike,
+    describe_error,
+    dtype_name,
+    model_view,
+    raise_if_failed,
+    write_replicated,
 )
+from .reader import Reader, flat_range, name_mismatch, open_checkpoint
 
 __all__ = ["consolidate", "export", "load_pretrained"]
 
@@ -53,11 +50,11 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
     fp32 master weights and upcasts floating buffers; "compute" gives the weights the
     model trained with (bf16/fp16 under mixed precision); None keeps the saved dtypes
     (fp32 master weights, buffers as they were)."""
-    path, meta, files = _open_checkpoint(path)
+    path, meta, files = open_checkpoint(path)
     dtype = _resolve_dtype(dtype, meta)
-    use_param = dtype is not None and _dtype_name(dtype) == meta["compute_dtype"] != "float32"
+    use_param = dtype is not None and dtype_name(dtype) == meta["compute_dtype"] != "float32"
     params, out = {}, {}
-    with _Reader(path, files) as reader:
+    with Reader(path, files) as reader:
         for name, info in meta["params"].items():
             numel = math.prod(info["shape"])
             kind, read_dtype = ("param", dtype) if use_param else ("master", torch.float32)
@@ -86,7 +83,7 @@ def export(path: PathLike, out_file: PathLike, dtype: torch.dtype | str | None =
     os.makedirs(os.path.dirname(out_file), exist_ok=True)
     side = f"{out_file}{TMP_TAG}{uuid.uuid4().hex[:12]}"
     try:
-        _write_safetensors(side, tensors)
+        write_safetensors(side, tensors)
         os.replace(side, out_file)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -105,7 +102,7 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     comm = optimizer.comm
     masters, replicated, view = [], {}, None
     try:
-        view = _model_view(model)
+        view = model_view(model)
         with _FullSource(state_dict) as source:
             where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label)
             for s in optimizer.owned_slices():
@@ -114,12 +111,12 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
             replicated = {k: source.tensor(k) for k in view.replicated}
         local = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
-        local = {"ok": False, "error": _describe(e)}
-    _raise_if_failed(comm.all_gather_object(local, "checkpoint"), "load_pretrained")
+        local = {"ok": False, "error": describe_error(e)}
+    raise_if_failed(comm.all_gather_object(local, "checkpoint"), "load_pretrained")
     with torch.no_grad():
         for s, value in masters:
-            s.master.copy_(value.to(s.master.device))
-        _write_replicated(replicated, view.replicated)
+            optimizer.placement.write(s.master, value)
+        write_replicated(replicated, view.replicated)
     optimizer.sync_params_from_master("checkpoint")
 
 
@@ -150,7 +147,7 @@ class _FullSource:
 
     def flat_range(self, key: str, start: int, numel: int) -> torch.Tensor:
         if self._file is not None:
-            return _flat_range(self._file, key, self.shapes[key], start, numel)
+            return flat_range(self._file, key, self.shapes[key], start, numel)
         return self._dict[key].detach().reshape(-1)[start: start + numel].clone()
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -159,7 +156,7 @@ class _FullSource:
         return self._dict[key].detach().clone()
 
 
-def _pretrained_keys(view: _ModelView, shapes: dict, slices: list, strict: bool, label: str) -> dict:
+def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, label: str) -> dict:
     """For each trainable parameter, the key of `shapes` that holds it (any of its tied
     names); raises listing missing, unexpected and mis-shaped names."""
     where, expected, found = {}, {}, {}
@@ -177,7 +174,7 @@ def _pretrained_keys(view: _ModelView, shapes: dict, slices: list, strict: bool,
     known = {key for key, _, _ in view.keys}
     if strict:
         found.update({k: v for k, v in shapes.items() if k not in known})
-    problem = _name_mismatch(label, "pretrained", expected, found)
+    problem = name_mismatch(label, "pretrained", expected, found)
     if problem:
         raise CheckpointError(problem)
     return where

@@ -1,4 +1,4 @@
-"""Stage 3 units: which parameters are gathered together, and one unit's sharded storage.
+"""One stage-3 unit's sharded storage: its shard, its gather buffer and its gradients.
 
 [Note: unit storage]
 A unit's trainable parameters are laid out in one flat buffer (flat.py) with a single
@@ -22,11 +22,16 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import hostmem
-from .comm import Comm
-from .flat import BufferPool, FlatLayout, Piece
+from ..distributed import Comm
+from ..distributed.collectives import Collectives
+from ..memory import hostmem
+from ..memory.layout import FlatLayout, Piece
+from ..memory.pool import BufferPool
 
-_ONE_SEGMENT = 1 << 62
+__all__ = ["FlatUnit", "UnitGroupView", "UnitState"]
+
+# A unit is one segment: gathered and reduced with one collective each.
+ONE_SEGMENT = 1 << 62
 
 
 class UnitState(enum.Enum):
@@ -35,102 +40,17 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-def runs(module: nn.Module) -> bool:
-    """Whether the module has a forward of its own. Containers (ModuleList, ModuleDict,
-    ParameterList) are never called, so their forward hooks never fire: they cannot be
-    units, whose parameters are gathered by those hooks."""
-    return type(module).forward is not nn.Module.forward
-
-
-def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every unit, the root last. With `unit_modules`, each instance of
-    those classes (or class names) is a unit; else a Hugging Face model's
-    `_no_split_modules` (its block classes) are; otherwise, bottom-up, each submodule that
-    runs (see `runs`) and whose parameters not yet claimed by a unit below it reach
-    `min_params`; a container's parameters fall to the module that calls its children."""
-    named = list(model.named_modules())
-    if not unit_modules:
-        # Hugging Face models name their blocks (the classes never split across devices),
-        # which is what FSDP's and DeepSpeed's HF integrations wrap by default.
-        hinted = tuple(getattr(model, "_no_split_modules", None) or ())
-        if any(type(m).__name__ in hinted for _, m in named if m is not model):
-            unit_modules = hinted
-    if unit_modules:
-        wanted = {u for u in unit_modules if isinstance(u, type)}
-        wanted_names = {u for u in unit_modules if isinstance(u, str)}
-        units = [(n, m) for n, m in named if m is not model and (
-            type(m) in wanted or type(m).__name__ in wanted_names or type(m).__qualname__ in wanted_names)]
-        if not units:
-            raise ValueError(f"Config.unit_modules={unit_modules!r} matches no submodule of "
-                             f"{type(model).__name__}: name a class that the model contains")
-        idle = [f"{n} ({type(m).__name__})" for n, m in units if not runs(m)]
-        if idle:
-            raise ValueError(f"Config.unit_modules={unit_modules!r} names containers that are never called, "
-                             f"{idle[:3]}: a unit must be a module whose forward runs; name the block class "
-                             f"inside the container instead")
-    else:
-        claimed: set = set()
-        units = []
-        for n, m in reversed(named):  # children before parents
-            if m is model or not runs(m):
-                continue
-            own = [p for p in m.parameters() if id(p) not in claimed]
-            if sum(p.numel() for p in own) >= min_params:
-                units.append((n, m))
-                claimed.update(id(p) for p in own)
-        units.reverse()
-    return units + [("", model)]
-
-
-def encloses(unit_name: str, module_name: str) -> bool:
-    return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
-
-
-def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]],
-                  trainable: list[tuple[str, nn.Parameter]]) -> list[list[int]]:
-    """For each unit, indices into `trainable` of the parameters it gathers: those of the
-    modules under it and not under a nested unit. A parameter registered in modules of
-    several units (tied weights) goes to the innermost unit that encloses them all, whose
-    forward encloses every use."""
-    index = {id(p): i for i, (_, p) in enumerate(trainable)}
-    root = len(units) - 1
-    unit_of_module = {id(m): ui for ui, (_, m) in enumerate(units[:-1])}
-    # Which units each unit's forward encloses, by module object: a module instance shared
-    # by two blocks lies under both, whatever name named_modules() gives it first.
-    subtree = [{id(m) for m in module.modules()} for _, module in units]
-    inside = [{v for v in range(len(units)) if id(units[v][1]) in subtree[u]} for u in range(len(units))]
-
-    def innermost(path: str) -> int:
-        best, module = root, model
-        for part in path.split(".") if path else []:
-            module = getattr(module, part)
-            best = unit_of_module.get(id(module), best)
-        return best
-
-    homes: dict[int, set] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):  # every path to a shared module
-        for p in m.parameters(recurse=False):
-            if id(p) in index:
-                homes.setdefault(id(p), set()).add(innermost(mname))
-    result: list[list[int]] = [[] for _ in units]
-    for pid, uis in homes.items():
-        enclosing = [u for u in range(len(units)) if uis <= inside[u]]
-        best = min(enclosing, key=lambda u: len(subtree[u]))  # the innermost one
-        result[best].append(index[pid])
-    for r in result:
-        r.sort()
-    return result
-
-
 class FlatUnit:
     """One unit's sharded parameters, its gather buffer and its gradient shard."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
-                 sync_from_rank0: bool = True):
+                 sync_from_rank0: bool = True, collectives: Optional[Collectives] = None):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
-        self.rank, self.world_size = comm.rank, comm.world_size
-        self.layout = FlatLayout([p.shape for p in params], comm.world_size, _ONE_SEGMENT)
+        # Sharded over the mesh's shard axis; gradients averaged over every data-parallel rank.
+        self.collectives = collectives if collectives is not None else comm.collectives("shard")
+        self.rank, self.data_size = comm.shard_rank, comm.world_size
+        self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT)
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         # A unit may own no trainable parameter (a root whose parameters all live in units):
         # it keeps its hooks, which begin and end each pass, and never communicates.
@@ -146,7 +66,7 @@ class FlatUnit:
         self.init_fingerprint = None if sync_from_rank0 else (
             float(full_fp32.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(full_fp32, dtype=torch.float64)))
         own = self.own_chunk(full_fp32)
-        # Long-lived, so outside the C heap: [Note: long-lived host buffers] in hostmem.py.
+        # Long-lived, so outside the C heap: [Note: long-lived host buffers] in memory/hostmem.py.
         self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
         self.shard = hostmem.copy_of(own, compute_dtype)
         device = self.shard.device
@@ -167,14 +87,14 @@ class FlatUnit:
         self.state = UnitState.SHARDED
 
     # -- gather / free (see [Note: unit storage]) ----------------------------------------
-    def unshard(self, comm: Comm, phase: str, async_op: bool) -> None:
+    def unshard(self, phase: str, async_op: bool) -> None:
         if self.state is not UnitState.SHARDED:
             return
         if self.empty:
             self.state = UnitState.GATHERED
             return
         self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.shard.device)
-        self.work = comm.all_gather(self.full, self.shard, phase, async_op=async_op)
+        self.work = self.collectives.all_gather(self.full, self.shard, phase, async_op=async_op)
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -238,16 +158,16 @@ class FlatUnit:
                     part.add_(p.grad.reshape(-1))
                 p.grad = None
 
-    def reduce_grads(self, comm: Comm, async_op: bool, accumulate: bool):
+    def reduce_grads(self, async_op: bool, accumulate: bool):
         """Reduce-scatter the accumulated gradients into the owned gradient shard; with
         `accumulate` (a later micro-batch), in place, to be added by `finish_reduce`."""
         if self.empty:
             return None
         if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
             self._new_grad_full()
-        self.grad_full.div_(self.world_size)  # average, dividing first as DDP does
+        self.grad_full.div_(self.data_size)  # average, dividing first as DDP does
         out = self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
-        return comm.reduce_scatter(out, self.grad_full, "backward", async_op=async_op)
+        return self.collectives.reduce_scatter(out, self.grad_full, "backward", async_op=async_op)
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
@@ -299,7 +219,7 @@ class FlatUnit:
         return out
 
     def held_tensors(self) -> dict:
-        """What this unit holds, by ledger category ([Note: measured ledger] in memory.py).
+        """What this unit holds, by ledger category ([Note: measured ledger] in memory/ledger.py).
         The gathered buffer is the pool's (communication buffers); an unsharded gradient
         buffer still held between micro-batches is gradient memory."""
         return {"params": [self.shard],
@@ -331,7 +251,7 @@ class UnitGroupView:
     def drop_initial_fp32(self) -> None:
         self.unit.drop_initial_fp32()
 
-    def publish(self, comm: Comm, phase: str = "step") -> None:
+    def publish(self, phase: str = "step") -> None:
         """Nothing to publish: stage 3 gathers parameters when a unit next runs."""
 
     def zero_grad(self) -> None:

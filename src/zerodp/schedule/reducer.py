@@ -1,15 +1,16 @@
 """Stages 0-2: parameters in flat buffers and gradients reduced in buckets from backward hooks.
 
-Each optimizer param group becomes one `FlatParamGroup` (see [Note: flat layout] in
-flat.py). A segment of the flat buffer is the communication bucket: it is reduced as soon
-as every parameter overlapping it has its gradient accumulated
+Each optimizer param group becomes one `FlatParamGroup` (sharding/flat_group.py; see
+[Note: flat layout] in memory/layout.py). A segment of the flat buffer is the
+communication bucket: it is reduced as soon as every parameter overlapping it has its
+gradient accumulated
 (`Tensor.register_post_accumulate_grad_hook`), on the backward at the accumulation boundary
 (stage 2: on every micro-batch's, per `reduce_each_micro_batch`). Segments are launched
 strictly in one order, the same on every rank, so collectives always match even if
 autograd finishes parameters in another order: reverse registration order on the first
 backward, then the order the buckets became ready in it (rank 0's). Whatever is left
 (unused parameters) is launched by the end-of-backward callback ([Note: end of backward]
-in schedule.py).
+in schedule/base.py).
 
 Where gradients live:
 - stage 0/1: a full flat gradient buffer; parameters' `.grad` are views of it, so
@@ -30,95 +31,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
-from . import hostmem
-from .comm import Comm
-from .flat import BufferPool, FlatLayout, Piece
-from .schedule import BackwardSchedule
+from ..distributed import Comm
+from ..memory.pool import BufferPool
+from ..sharding.flat_group import FlatParamGroup
+from .base import MAX_IN_FLIGHT, BackwardSchedule
 
 log = logging.getLogger(__name__)
-
-# Reductions allowed to be in flight at once before the oldest is waited for.
-MAX_IN_FLIGHT = 2
-
-
-class FlatParamGroup:
-    """One param group's parameters as views of a flat compute-dtype buffer, and its gradients."""
-
-    def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm, stage: int,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, bucket_bytes: int):
-        self.params, self.names, self.stage = params, names, stage
-        self.rank, self.world_size = comm.rank, comm.world_size
-        device = params[0].device
-        bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=reduce_dtype).element_size())
-        self.layout = FlatLayout([p.shape for p in params], comm.world_size, bucket_numel)
-        self.reduce_dtype = reduce_dtype
-        fp32 = self.layout.flatten(params, torch.float32, device)
-        self.flat = fp32 if compute_dtype == torch.float32 else hostmem.copy_of(fp32, compute_dtype)
-        # The fp32 originals are kept only until the optimizer has built its master shard,
-        # so the master starts from the exact initial values, not their bf16/fp16 rounding.
-        self._initial_fp32: Optional[torch.Tensor] = None if self.flat is fp32 else fp32
-        for p, view in zip(params, self.layout.views(self.flat)):
-            p.data = view
-        shard_numel = self.layout.shard_numel
-        if stage < 2:
-            self.grad_flat = hostmem.zeros(self.layout.padded_numel, compute_dtype, device)
-            self.grad_views = self.layout.views(self.grad_flat)
-            for p, g in zip(params, self.grad_views):
-                p.grad = g
-            self.grad_shard = None
-        else:
-            self.grad_flat, self.grad_views = None, None
-            self.grad_shard = hostmem.zeros(shard_numel, reduce_dtype, device)
-
-    # -- the owned part, as the optimizer sees it -------------------------------------
-    def owned_pieces(self):
-        """Pieces this rank updates: the whole buffer at stage 0, its chunks otherwise."""
-        if self.stage == 0:  # every rank owns all of it, bucket by bucket
-            return [Piece(s.start, s.start, s.numel) for s in self.layout.segments]
-        return self.layout.shard_pieces(self.rank)
-
-    def owned_params(self) -> list[torch.Tensor]:
-        return [self.flat[p.flat_start: p.flat_start + p.numel] for p in self.owned_pieces()]
-
-    def owned_fp32(self) -> list[torch.Tensor]:
-        src = self._initial_fp32 if self._initial_fp32 is not None else self.flat
-        return [src[p.flat_start: p.flat_start + p.numel].float().clone() for p in self.owned_pieces()]
-
-    def drop_initial_fp32(self) -> None:
-        self._initial_fp32 = None
-
-    def owned_grads(self) -> list[torch.Tensor]:
-        if self.grad_shard is not None:
-            return [self.grad_shard[p.shard_start: p.shard_start + p.numel] for p in self.owned_pieces()]
-        return [self.grad_flat[p.flat_start: p.flat_start + p.numel] for p in self.owned_pieces()]
-
-    def publish(self, comm: Comm, phase: str = "step") -> None:
-        """After the step: every rank's updated chunks rebuild the full buffer (stages 1-2)."""
-        if self.stage == 0:
-            return
-        for i, seg in enumerate(self.layout.segments):
-            chunk = self.layout.chunk(i, self.rank)
-            comm.all_gather(self.flat[seg.start: seg.end],
-                            self.flat[chunk.flat_start: chunk.flat_start + chunk.numel], phase)
-
-    def zero_grad(self) -> None:
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
-            for p, g in zip(self.params, self.grad_views):
-                p.grad = g
-        else:
-            self.grad_shard.zero_()
-            for p in self.params:
-                p.grad = None
-
-    def held_tensors(self) -> dict:
-        """What this group holds, by ledger category ([Note: measured ledger] in memory.py);
-        autograd's own `.grad` of a parameter is an unsharded gradient held until its
-        bucket is filled."""
-        return {"params": [self.flat],
-                "grads": [self.grad_flat, self.grad_shard, *(p.grad for p in self.params)]}
 
 
 @dataclass(eq=False)
@@ -239,7 +158,7 @@ class GradReducer(BackwardSchedule):
             b.accumulate = self.micro_step > 0
             out = (b.buffer[local: local + chunk.numel] if b.accumulate
                    else g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel])
-            b.work = comm.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap)
+            b.work = g.collectives.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap)
         else:
             grads = g.grad_flat[seg.start: seg.end]
             if g.reduce_dtype != grads.dtype:
@@ -253,8 +172,8 @@ class GradReducer(BackwardSchedule):
             if g.stage == 0:
                 b.work = comm.all_reduce(target, "backward", async_op=self.overlap)
             else:
-                b.work = comm.reduce_scatter(target[local: local + chunk.numel], target, "backward",
-                                             async_op=self.overlap)
+                b.work = g.collectives.reduce_scatter(target[local: local + chunk.numel], target, "backward",
+                                                      async_op=self.overlap)
         if not self.overlap:
             self._finish(b)
             return

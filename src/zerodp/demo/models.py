@@ -42,7 +42,7 @@ INIT_STD = 0.02
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 256
-    """Number of token ids; 256 for the byte-level corpus in ``zerodp.data``."""
+    """Number of token ids; 256 for the byte-level corpus in ``zerodp.demo.data``."""
     block_size: int = 128
     """Longest sequence the position embedding covers."""
     n_layer: int = 4

@@ -5,8 +5,8 @@ The user's optimizer is built on the model's own parameters (so its param groups
 hyperparameters are the user's), then each group's parameters are swapped for the fp32
 master tensors of this rank's shard of that group. Its `step()` therefore only ever sees
 the owned 1/N of every state (ZeRO, arXiv 1910.02054, §5.1). This works for any
-optimizer whose update is elementwise, which `check_elementwise` tests at initialize
-(LBFGS, Adafactor and Muon are refused).
+optimizer whose update is elementwise, which `check_elementwise` (inner.py) tests at
+initialize (LBFGS, Adafactor and Muon are refused).
 
 Master weights: with mixed_precision="fp32" the owned chunks of the parameters are their
 own master (views, no copy); with bf16/fp16 each shard has one contiguous fp32 master,
@@ -19,112 +19,20 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import hostmem
-from .comm import Comm
-from .config import Config
-from .memory import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
+from ..config import Config
+from ..distributed import Comm
+from ..memory import hostmem
+from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
+from .clipping import global_grad_norm, grads_nonfinite
+from .master import MasterPlacement, MasterShard, ShardStorage, runs_of_bytes
 from .precision import LossScaler
 
 log = logging.getLogger(__name__)
-
-
-def check_elementwise(inner: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose update is not elementwise (LBFGS, Adafactor, Muon, ...):
-    on flat shards each rank steps 1-D pieces of parameters, which only gives the same
-    result if the update of every element depends on that element alone. Tested, not
-    looked up by name: a fresh instance with the first group's hyperparameters steps a 2-D
-    tensor and, separately, its flattened halves, three times; the results must agree."""
-    cls = type(inner)
-    hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
-    device = inner.param_groups[0]["params"][0].device
-    if device.type == "meta":  # born sharded: not materialised yet
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    start = torch.randn(6, 4, generator=gen)
-    grads = [torch.randn(6, 4, generator=gen) for _ in range(3)]
-    whole = start.clone().to(device).requires_grad_()
-    halves = [start.reshape(-1)[:10].clone().to(device).requires_grad_(),
-              start.reshape(-1)[10:].clone().to(device).requires_grad_()]
-    try:
-        on_whole = cls([{"params": [whole], **hyper}])
-    except Exception as e:  # a constructor that needs more than a param group: cannot probe
-        log.warning("cannot check that %s is elementwise (building it from a param group raised %s: %s); "
-                    "zerodp assumes it is", cls.__name__, type(e).__name__, e)
-        return
-    step = getattr(cls.step, "__wrapped__", cls.step)  # without torch's step hooks: not a user step
-    why = None
-    try:
-        on_halves = cls([{"params": halves, **hyper}])  # 1-D pieces, as a shard holds them
-        for g in grads:
-            whole.grad = g.clone().to(device)
-            halves[0].grad, halves[1].grad = (t.clone().to(device) for t in (g.reshape(-1)[:10], g.reshape(-1)[10:]))
-            step(on_whole)
-            step(on_halves)
-        diff = float((torch.cat([h.detach().reshape(-1) for h in halves]) - whole.detach().reshape(-1)).abs().max())
-        if not diff <= 1e-6:
-            why = f"stepping a tensor's pieces gives another result than stepping the tensor (max difference {diff:.3g})"
-    except Exception as e:  # the optimizer could not step 1-D pieces at all
-        why = f"it cannot step 1-D pieces of a parameter ({type(e).__name__}: {e})"
-    if why is not None:
-        raise ValueError(f"{cls.__name__} is not elementwise: {why}. zerodp steps each rank's flat 1-D shard, "
-                         f"so it needs an optimizer whose update treats every element on its own, such as "
-                         f"AdamW, Adam, SGD, Adagrad or RMSprop")
-
-
-class ShardStorage(Protocol):
-    """What the optimizer needs from a group's storage (stages 0-2: FlatParamGroup;
-    stage 3: a unit's sharded parameters)."""
-
-    def owned_params(self) -> list[torch.Tensor]: ...
-    def owned_grads(self) -> list[torch.Tensor]: ...
-    def owned_fp32(self) -> list[torch.Tensor]: ...
-    def drop_initial_fp32(self) -> None: ...
-    def owned_pieces(self) -> list: ...
-    def publish(self, comm: Comm, phase: str = "step") -> None: ...
-    def zero_grad(self) -> None: ...
-
-
-class _Shard:
-    """One storage's owned pieces and the master tensors the inner optimizer updates."""
-
-    def __init__(self, storage, full_precision: bool):
-        self.storage = storage
-        self.full_precision = full_precision
-        if full_precision:
-            self.master_tensors = storage.owned_params()
-        else:
-            fp32 = storage.owned_fp32()
-            # One long-lived allocation for the shard's master (MD), seen as one tensor per piece.
-            sizes = [t.numel() for t in fp32]
-            flat = hostmem.empty(sum(sizes), torch.float32, fp32[0].device if fp32 else "cpu")
-            self.master_tensors = list(torch.split(flat, sizes)) if fp32 else []
-            for m, t in zip(self.master_tensors, fp32):
-                m.copy_(t)
-        # Each owned piece (a bucket's chunk at stages 0-2, a parameter's part at stage 3) is
-        # its own tensor in the optimizer, so the optimizer's temporaries stay piece-sized
-        # rather than shard-sized.
-        self.master_pieces = self.master_tensors
-        self.piece_at = [(i, 0) for i in range(len(self.master_tensors))]
-
-
-def _chunks(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of `tensors` of at most `max_bytes` each (one tensor may exceed it)."""
-    out, run, size = [], [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if run and size + nbytes > max_bytes:
-            out.append(run)
-            run, size = [], 0
-        run.append(t)
-        size += nbytes
-    if run:
-        out.append(run)
-    return out
 
 
 @dataclass
@@ -154,9 +62,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage3 = stage3
         self.scaler = LossScaler.from_config(config)
         full_precision = config.compute_dtype == torch.float32
-        self.shards: list[list[_Shard]] = []
+        self.placement = MasterPlacement()  # [Note: master placement] in master.py
+        self.shards: list[list[MasterShard]] = []
         for group, group_storages in zip(inner.param_groups, storages):
-            shards = [_Shard(s, full_precision) for s in group_storages]
+            shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
             self.shards.append(shards)
             group["params"] = [t for s in shards for t in s.master_tensors]
         for group_storages in storages:  # only after every group's master is built: units span groups
@@ -231,11 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"backward calls per step, {self.grad_sync.micro_step} so far) first")
         inv_scale = 1.0 / self.scaler.scale
         for shard in self._all_shards():
-            for m, g in zip(shard.master_tensors, shard.storage.owned_grads()):
-                # The reduced gradient itself when it is fp32 (no copy); else an fp32 upcast.
-                m.grad = g.view(m.shape) if g.dtype == torch.float32 else g.float().view(m.shape)
-                if inv_scale != 1.0:
-                    m.grad.mul_(inv_scale)
+            shard.attach_grads(inv_scale)
         if self.config.uses_loss_scaling:
             self._found_inf = self._grads_nonfinite()
         self._grads_prepared = True
@@ -246,23 +151,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         each rank reduces the norm of its shard, so no gradient is gathered."""
         self._prepare_grads()
         grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
-        local = [g.float() for g in grads if g.numel()]
         norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            # torch.amax keeps a nan (Python's max and gloo's MAX may drop it): a nan anywhere
-            # makes the norm nan, as torch.nn.utils.clip_grad_norm_ reports it.
-            local_max = float(torch.stack([g.abs().amax() for g in local]).amax()) if local else 0.0
-            if self._owns_all():
-                total = torch.tensor(local_max, device=self.comm.device)
-            else:
-                nan_seen = self.comm.sum_scalar(torch.tensor(local_max * 0.0))  # nan if any rank's is
-                total = torch.tensor(self.comm.max_scalar(local_max) + float(nan_seen), device=self.comm.device)
-        else:
-            local_sum = sum((g.pow(norm_type).sum() for g in local), torch.zeros((), dtype=torch.float64, device=self.comm.device))
-            if not self._owns_all():
-                local_sum = self.comm.sum_scalar(local_sum)
-            total = local_sum.to(torch.float64) ** (1.0 / norm_type)
-        total = total.to(torch.float32)
+        total = global_grad_norm(grads, norm_type, self.comm, self._owns_all())
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
             for g in grads:
@@ -274,7 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     def _owns_all(self) -> bool:
-        return self.config.stage == 0 or self.comm.world_size == 1
+        return self.config.stage == 0 or self.comm.shard_size == 1
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -325,19 +215,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._zeroed and not self.grad_sync.grads_ready and self.grad_sync.micro_step == 0
 
     def _grads_nonfinite(self) -> bool:
-        """Whether the global (unscaled) gradient holds a nan/inf, on every rank alike. The
-        norm from clip_grad_norm_ is already global; otherwise each rank sums its shard (nan
-        and inf survive a sum) and one scalar is all-reduced: 14 ms for the 124M GPT's
-        62M-element fp32 shard on one CPU core, 0.3% of its step (a float64 sum took
-        0.34 s, isfinite().all() 0.17 s)."""
+        """Whether the global (unscaled) gradient holds a nan/inf, on every rank alike: from
+        the norm clip_grad_norm_ already reduced, else one scalar per rank (clipping.py)."""
         if self._norm_this_step is not None:
             return not math.isfinite(float(self._norm_this_step))
-        local = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-        for s in self._all_shards():
-            for m in s.master_tensors:
-                if m.grad is not None and m.grad.numel():
-                    local += m.grad.sum()
-        return not math.isfinite(float(local if self._owns_all() else self.comm.sum_scalar(local)))
+        grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
+        return grads_nonfinite(grads, self.comm, self._owns_all())
 
     def _nonfinite_without_scaler(self) -> bool:
         """fp32/bf16: whether to skip this step for a nan/inf gradient, per
@@ -366,7 +249,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         everything = [g["params"] for g in groups]
         try:
             for gi, params in enumerate(everything):
-                for chunk in _chunks(params, self.config.bucket_bytes):
+                for chunk in runs_of_bytes(params, self.config.bucket_bytes):
                     for gj, g in enumerate(groups):
                         g["params"] = chunk if gj == gi else []
                     self._inner_step_fn(self.inner)
@@ -379,7 +262,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _rehome_states(self) -> None:
         """Once the optimizer has created its per-element states (lazily, in its first step,
         one small tensor per piece, in the C heap), move them into one long-lived buffer per
-        shard and state: [Note: long-lived host buffers] in hostmem.py."""
+        shard and state: [Note: long-lived host buffers] in memory/hostmem.py."""
         self._states_rehomed = True
         since_release = 0
         for shard in self._all_shards():
@@ -406,7 +289,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient and start the backward schedule over: after a backward that
-        raised too ([Note: failed backward] in schedule.py)."""
+        raised too ([Note: failed backward] in schedule/base.py)."""
         self.grad_sync.reset()
         self._grads_prepared = False
         self._norm_this_step = None
@@ -436,8 +319,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 st = shard.storage
                 params = st.owned_params()
                 for pi, piece in enumerate(st.owned_pieces()):
-                    ti, base = shard.piece_at[pi]
-                    master_t = shard.master_tensors[ti]
+                    master_t = shard.master_tensors[pi]
                     states = {k: v for k, v in self.inner.state.get(master_t, {}).items()
                               if is_elementwise_state(v, master_t)}
                     for si, slot in enumerate(st.layout.slots):
@@ -449,8 +331,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         out.append(OwnedSlice(
                             name=st.names[si], shape=slot.shape, group=gi, start=lo - slot.offset, numel=hi - lo,
                             param=params[pi].reshape(-1)[a:b],
-                            master=master_t.reshape(-1)[base + a: base + b],
-                            states={k: v.reshape(-1)[base + a: base + b] for k, v in states.items()}))
+                            master=master_t.reshape(-1)[a:b],
+                            states={k: v.reshape(-1)[a:b] for k, v in states.items()}))
         return out
 
     def scalar_states(self) -> list[dict]:
@@ -507,21 +389,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync_params_from_master(self, phase: str = "step") -> None:
-        """After masters were loaded: write them to the compute parameters and publish."""
+        """After the step or a load: write the masters to the compute parameters and publish."""
         for shard in self._all_shards():
-            if not shard.full_precision:
-                for piece, param in zip(shard.master_pieces, shard.storage.owned_params()):
-                    param.copy_(piece.view_as(param))
-            shard.storage.publish(self.comm, phase)
+            shard.write_back()
+            shard.storage.publish(phase)
 
     @torch.no_grad()
     def refresh_master_from_params(self) -> None:
         """After the compute parameters were changed by hand (e.g. in gathered_parameters
         with modify=True), start the fp32 master from them again."""
         for shard in self._all_shards():
-            if not shard.full_precision:
-                for piece, param in zip(shard.master_pieces, shard.storage.owned_params()):
-                    piece.copy_(param.reshape(-1))
+            shard.refresh_from_params()
 
     # -- reports ------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .config import Config
+from ..config import Config
+from ..distributed import Comm
 
 
 @contextlib.contextmanager
@@ -69,3 +70,20 @@ def materialize(model: nn.Module, device, on_param: Callable[[nn.Parameter, nn.P
                 m.reset_parameters()
         for old, new in fresh:
             on_param(old, new)
+
+
+def check_same_initialisation(units: list, comm: Comm) -> None:
+    """Born sharded, each rank keeps the shard of values it drew itself; with per-rank seeds
+    (`torch.manual_seed(seed + rank)`, common in data-loading code) the shards would come
+    from different models. Every rank compares the units' fingerprints with rank 0's."""
+    mine = [u.init_fingerprint for u in units]
+    everyone = comm.all_gather_object(mine)
+    differ = sorted({(r, units[i].name) for r, theirs in enumerate(everyone) for i, (a, b) in enumerate(zip(theirs, everyone[0]))
+                     if any(abs(x - y) > 1e-9 * (1.0 + abs(y)) for x, y in zip(a, b))})
+    if differ:
+        ranks = sorted({r for r, _ in differ})
+        names = sorted({n for _, n in differ})
+        raise RuntimeError(f"rank {comm.rank}: a model built under zerodp.init was initialised differently on ranks "
+                           f"{ranks} than on rank 0 (units {names[:3]}): every rank must seed its generator the same "
+                           f"(torch.manual_seed(seed), not seed + rank) before building the model; seed per rank "
+                           f"only after zerodp.initialize")

@@ -77,14 +77,8 @@ def _bytes_per_param(
     return (p + g + k) / n  # ... and parameters (§5.3)
 
 
-def model_state_bytes(
-    num_params: int,
-    world_size: int,
-    stage: int,
-    k: float = 12,
-    param_bytes: float = 2,
-    grad_bytes: float = 2,
-) -> float:
+def model_state_bytes(num_params: int, world_size: int, stage: int, k: float = 12, param_bytes: float = 2,
+                      grad_bytes: float = 2) -> float:
     """Bytes of parameters, gradients and optimizer state on one of ``world_size`` devices."""
     _check(num_params, world_size, stage, k, param_bytes, grad_bytes)
     return float(
@@ -92,14 +86,8 @@ def model_state_bytes(
     )
 
 
-def largest_model(
-    device_bytes: float,
-    world_size: int,
-    stage: int,
-    k: float = 12,
-    param_bytes: float = 2,
-    grad_bytes: float = 2,
-) -> int:
+def largest_model(device_bytes: float, world_size: int, stage: int, k: float = 12, param_bytes: float = 2,
+                  grad_bytes: float = 2) -> int:
     """Largest Ψ whose model states fit in ``device_bytes`` per device (ZeRO, §5.4).
 
     Activations and buffers are ignored, as in Table 1 and Figure 1 of the paper.

@@ -1,6 +1,6 @@
 """Byte-level language-modelling data from the corpus that ships with zerodp.
 
-The corpus (``zerodp/corpus/devils_dictionary.txt.gz``, public domain; see
+The corpus (``zerodp/demo/corpus/devils_dictionary.txt.gz``, public domain; see
 ``corpus/README.md``) is encoded one token per byte, so the vocabulary is the
 256 byte values and no tokenizer is needed.
 
@@ -34,7 +34,7 @@ Split = Literal["train", "val"]
 
 def load_corpus() -> bytes:
     """Return the bundled corpus as raw (ASCII) bytes."""
-    path = resources.files("zerodp") / "corpus" / CORPUS_FILE
+    path = resources.files("zerodp.demo") / "corpus" / CORPUS_FILE
     data = gzip.decompress(path.read_bytes())
     logger.debug("loaded corpus %s: %d bytes", CORPUS_FILE, len(data))
     return data

@@ -27,7 +27,12 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .comm import Comm
+from ..distributed import Comm
+
+# Reductions allowed to be in flight at once before the oldest is waited for: a finished
+# one gives its buffer back to the pool, so the pool stays a few buckets or units large
+# whatever the model size (the paper's constant-size buffers, CB).
+MAX_IN_FLIGHT = 2
 
 
 def inside_backward() -> bool:

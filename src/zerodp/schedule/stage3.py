@@ -1,6 +1,7 @@
 """Stage 3 (Pos+g+p, ZeRO arXiv 1910.02054 §5.3): parameters gathered per unit on demand.
 
-Hooks call methods of a unit (units.py); the unit calls collectives (comm.py).
+Hooks call methods of a unit (sharding/flat_unit.py); the unit calls its collective
+strategy (distributed/collectives.py).
 
 Forward: a unit's pre-hook gathers its parameters (and prefetches the next
 `prefetch_units` units of the order recorded on the first step); its post-hook frees
@@ -15,7 +16,7 @@ Reduce-scatters are launched strictly in one order so that every rank issues the
 collectives even when autograd finishes units in another order: on the first backward
 the reverse of the first forward's order, then the order units were done in it (rank
 0's). Units that were not used (or only partly) are flushed by the end-of-backward
-callback ([Note: end of backward] in schedule.py), with zero gradients for what was not
+callback ([Note: end of backward] in schedule/base.py), with zero gradients for what was not
 used.
 """
 from __future__ import annotations
@@ -28,16 +29,12 @@ from typing import Iterable, Iterator, Union
 import torch
 import torch.nn as nn
 
-from . import hostmem
-from .api import apply_compute_dtype, replicate_from_rank0
-from .comm import Comm
-from .config import Config
-from .flat import BufferPool
-from .materialize import default_device, has_meta, materialize
-from .optimizer import ZeroOptimizer
-from .reducer import MAX_IN_FLIGHT
-from .schedule import BackwardSchedule, inside_backward, output_tensors
-from .units import FlatUnit, UnitGroupView, UnitState, assign_params, encloses, select_units
+from ..config import Config
+from ..distributed import Comm
+from ..memory import hostmem
+from ..memory.pool import BufferPool
+from ..sharding.flat_unit import FlatUnit, UnitState
+from .base import MAX_IN_FLIGHT, BackwardSchedule, inside_backward, output_tensors
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +78,7 @@ class Stage3Engine(BackwardSchedule):
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
         self._guard_sharded_use(units[-1].module)
         self._reset_backward_state()
+        _ENGINES[units[-1].module] = self
 
     def _guard_sharded_use(self, model: nn.Module) -> None:
         """A module whose parameters belong to a unit that is not gathered when it runs
@@ -124,11 +122,16 @@ class Stage3Engine(BackwardSchedule):
             raise RuntimeError(f"rank {self.comm.rank}: ranks diverged at a stage-3 gather ({detail}); every rank "
                                f"must run the same units in the same order (same branches, same number of steps)")
 
+    def gather(self, ui: int) -> None:
+        """Gather unit `ui` now and wait for it (outside forward and backward)."""
+        self._gather(ui, "forward", async_op=False)
+        self.units[ui].wait()
+
     def _gather(self, ui: int, phase: str, async_op: bool) -> None:
         unit = self.units[ui]
         if unit.state is UnitState.SHARDED:
             self._check_same_unit(f"{phase} gather of unit {unit.name}")
-            unit.unshard(self.comm, phase, async_op=async_op)
+            unit.unshard(phase, async_op=async_op)
             self._live.add(ui)
             held = sum(u.full_nbytes for u in self.units if u.state is not UnitState.SHARDED)
             self.gathered_peak_nbytes = max(self.gathered_peak_nbytes, held)
@@ -186,7 +189,7 @@ class Stage3Engine(BackwardSchedule):
             return None
         return hook
 
-    # -- saved tensors (see [Note: unit storage] in units.py) -----------------------------------
+    # -- saved tensors (see [Note: unit storage] in sharding/flat_unit.py) ------------------
     def _pack(self, t: torch.Tensor):
         if t.layout is not torch.strided:
             return t
@@ -256,7 +259,7 @@ class Stage3Engine(BackwardSchedule):
             ui = self.reduce_order[self._next_reduce]
             if ui not in self._ready and not flush:
                 return
-            work = self.units[ui].reduce_grads(self.comm, async_op=self.config.overlap_comm, accumulate=accumulate)
+            work = self.units[ui].reduce_grads(async_op=self.config.overlap_comm, accumulate=accumulate)
             self._works.append((ui, work, accumulate))
             self._next_reduce += 1
             # A finished reduction gives its gradient buffer back to the pool at once; at most
@@ -304,7 +307,7 @@ class Stage3Engine(BackwardSchedule):
                                               self.reduce_order)
 
     def reset(self) -> None:
-        """After a backward or forward that raised ([Note: failed backward] in schedule.py):
+        """After a backward or forward that raised ([Note: failed backward] in schedule/base.py):
         wait for reductions in flight, drop unreduced gradients, free every gathered unit."""
         super().reset()
         self._wait_all()
@@ -318,91 +321,9 @@ class Stage3Engine(BackwardSchedule):
         self._reset_backward_state()
 
 
-def shard_model(model: nn.Module, inner: torch.optim.Optimizer, named: list, group_indices: list[list[int]],
-                comm: Comm, config: Config) -> tuple[nn.Module, ZeroOptimizer]:
-    """Split `model` into units, shard each unit's trainable parameters, install the hooks."""
-    units = select_units(model, config.unit_modules, config.unit_min_params)
-    assignment = assign_params(model, units, named)
-    names = [n for n, _ in named]
-    unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
-    remaining = [len(idx) for idx in assignment]
-    current = {i: p for i, (_, p) in enumerate(named)}
-    built: dict[int, FlatUnit] = {}
-    pool = BufferPool()
-
-    def build(ui: int) -> None:
-        idx = assignment[ui]
-        built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
-                             comm, config.compute_dtype, config.grad_reduce_dtype, pool,
-                             sync_from_rank0=not born_sharded)
-
-    # A model born on the meta device is initialised identically on every rank from the
-    # seed (materialize.py), so its units need no broadcast from rank 0.
-    born_sharded = has_meta(model)
-    if born_sharded:
-        old_index = {id(p): i for i, (_, p) in enumerate(named)}
-        device = default_device()
-
-        def on_param(old, new):
-            i = old_index.get(id(old))
-            if i is None:
-                return
-            current[i] = new
-            ui = unit_of[i]
-            remaining[ui] -= 1
-            if remaining[ui] == 0 and ui != len(units) - 1:
-                build(ui)  # shard as soon as the unit is complete, freeing its full copy
-        materialize(model, device, on_param)
-    for ui, idx in enumerate(assignment):
-        if (idx or ui == len(units) - 1) and ui not in built:
-            build(ui)
-    flat_units = [built[ui] for ui in sorted(built)]
-    if born_sharded:
-        _check_same_initialisation(flat_units, comm)
-    for u in flat_units:
-        u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
-    sharded = {id(p) for u in flat_units for p in u.params}
-    replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
-    apply_compute_dtype(model, config.compute_dtype, skip=sharded, cast_buffers=config.cast_buffers)
-    engine = Stage3Engine(flat_units, comm, config, pool)
-    name_index = {n: i for i, n in enumerate(names)}
-    storages = []
-    for idx in group_indices:
-        chosen = set(idx)
-        views = []
-        for u in flat_units:
-            local = [k for k in range(len(u.params)) if name_index[u.names[k]] in chosen]
-            if local:
-                views.append(UnitGroupView(u, local))
-        storages.append(views)
-    opt = ZeroOptimizer(inner, storages, comm, config, engine, trainable=[(n, current[i]) for i, n in enumerate(names)],
-                        stage3=engine)
-    _ENGINES[model] = engine
-    log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(flat_units),
-             ", ".join(u.name for u in flat_units[:4]) + (" ..." if len(flat_units) > 4 else ""))
-    return model, opt
-
-
-def _check_same_initialisation(units: list[FlatUnit], comm: Comm) -> None:
-    """Born sharded, each rank keeps the shard of values it drew itself; with per-rank seeds
-    (`torch.manual_seed(seed + rank)`, common in data-loading code) the shards would come
-    from different models. Every rank compares the units' fingerprints with rank 0's."""
-    mine = [u.init_fingerprint for u in units]
-    everyone = comm.all_gather_object(mine)
-    differ = sorted({(r, units[i].name) for r, theirs in enumerate(everyone) for i, (a, b) in enumerate(zip(theirs, everyone[0]))
-                     if any(abs(x - y) > 1e-9 * (1.0 + abs(y)) for x, y in zip(a, b))})
-    if differ:
-        ranks = sorted({r for r, _ in differ})
-        names = sorted({n for _, n in differ})
-        raise RuntimeError(f"rank {comm.rank}: a model built under zerodp.init was initialised differently on ranks "
-                           f"{ranks} than on rank 0 (units {names[:3]}): every rank must seed its generator the same "
-                           f"(torch.manual_seed(seed), not seed + rank) before building the model; seed per rank "
-                           f"only after zerodp.initialize")
-
-
 @contextlib.contextmanager
 def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify: bool = False,
-                        optimizer: ZeroOptimizer = None) -> Iterator[None]:
+                        optimizer=None) -> Iterator[None]:
     """Full parameters present on every rank inside the block. With `modify=True`, rank
     0's values are written back to every rank's shard on exit (and to the fp32 master
     if `optimizer` is given), as DeepSpeed's GatheredParameters(modifier_rank=0) does.
@@ -415,8 +336,7 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
             if any(id(p) in wanted for p in unit.params):
                 chosen.append((engine, unit))
     for engine, unit in chosen:
-        engine._gather(engine.units.index(unit), "forward", async_op=False)
-        unit.wait()
+        engine.gather(engine.units.index(unit))
     try:
         yield
     finally:

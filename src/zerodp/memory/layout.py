@@ -2,8 +2,9 @@
 
 [Note: flat layout]
 Parameters are laid end to end in one buffer (the paper's memory defragmentation, MD,
-arXiv 1910.02054 §6.3). The buffer is padded to a multiple of the world size N and cut
-into *segments* of at most `bucket_numel` elements (the constant-size buffer, CB, §6.2);
+arXiv 1910.02054 §6.3). The buffer is padded to a multiple of N, the ranks along the
+mesh's shard axis ([Note: mesh axes] in distributed/topology.py), and cut into
+*segments* of at most `bucket_numel` elements (the constant-size buffer, CB, §6.2);
 each segment length is a multiple of N, so padding is only ever added at the very end
 (fewer than N elements per buffer). Every segment is sharded on its own: rank r owns the
 r-th 1/N chunk of every segment. One reduce-scatter of a segment therefore lands exactly
@@ -41,7 +42,7 @@ class Segment:
     """A range of the flat buffer reduced or gathered as one collective."""
 
     start: int
-    numel: int  # a multiple of the world size
+    numel: int  # a multiple of the shard size
 
     @property
     def end(self) -> int:
@@ -61,10 +62,10 @@ class Piece:
 class FlatLayout:
     """Offsets of `shapes` laid end to end, padded and cut into sharded segments."""
 
-    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int, bucket_numel: int):
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} must be >= 1")
-        self.world_size = world_size
+    def __init__(self, shapes: Sequence[Sequence[int]], shard_size: int, bucket_numel: int):
+        if shard_size < 1:
+            raise ValueError(f"shard_size={shard_size} must be >= 1")
+        self.shard_size = n = shard_size
         self.slots: list[Slot] = []
         offset = 0
         for shape in shapes:
@@ -72,24 +73,24 @@ class FlatLayout:
             self.slots.append(Slot(offset, numel, tuple(shape)))
             offset += numel
         self.numel = offset
-        self.padded_numel = max(world_size, -(-offset // world_size) * world_size)
+        self.padded_numel = max(n, -(-offset // n) * n)
         # A segment holds a whole number of chunks of N, so only the last one is padded.
-        seg = max(world_size, bucket_numel // world_size * world_size)
+        seg = max(n, bucket_numel // n * n)
         self.segments: list[Segment] = [
             Segment(s, min(seg, self.padded_numel - s)) for s in range(0, self.padded_numel, seg)
         ]
-        self.shard_numel = self.padded_numel // world_size
+        self.shard_numel = self.padded_numel // n
         self._shard_offsets = []
         acc = 0
         for s in self.segments:
             self._shard_offsets.append(acc)
-            acc += s.numel // world_size
+            acc += s.numel // n
 
     # -- ownership ------------------------------------------------------------------
     def chunk(self, seg_index: int, rank: int) -> Piece:
         """Rank's chunk of one segment."""
         seg = self.segments[seg_index]
-        size = seg.numel // self.world_size
+        size = seg.numel // self.shard_size
         return Piece(seg.start + rank * size, self._shard_offsets[seg_index], size)
 
     def shard_pieces(self, rank: int) -> list[Piece]:
@@ -131,33 +132,3 @@ class FlatLayout:
     def gather_shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """The rank's shard of a full buffer, as a new contiguous tensor."""
         return torch.cat([flat[p.flat_start: p.flat_start + p.numel] for p in self.shard_pieces(rank)])
-
-
-class BufferPool:
-    """Long-lived buffers, allocated once and handed out again (the paper's MD and CB,
-    §6.2-6.3): bucket staging at stages 0-2, gathered units and unsharded gradients at
-    stage 3. Reusing them keeps the process's memory flat: freed large blocks would
-    otherwise stay in the C allocator's heap, so resident memory would not fall."""
-
-    def __init__(self) -> None:
-        self.free: list[torch.Tensor] = []
-        self.allocated: list[torch.Tensor] = []  # every buffer ever handed out (none is freed)
-
-    @property
-    def allocated_nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.allocated)
-
-    def get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """A buffer of `numel` elements starting at offset 0 of its storage (contents
-        undefined): the smallest free one that fits, or a new one."""
-        fits = [i for i, b in enumerate(self.free)
-                if b.numel() >= numel and b.dtype == dtype and b.device == torch.device(device)]
-        if fits:
-            best = min(fits, key=lambda i: self.free[i].numel())
-            return self.free.pop(best)[:numel]
-        buf = hostmem.empty(numel, dtype, device)
-        self.allocated.append(buf)
-        return buf
-
-    def put(self, buf: torch.Tensor) -> None:
-        self.free.append(buf._base if buf._base is not None else buf)

@@ -1,7 +1,7 @@
 """The training job behind `zerodp train` (and `make demo`): the bundled GPT on the bundled
 corpus, with ZeRO, one process per rank under torchrun.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m zerodp.train --steps 250
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m zerodp.demo.train --steps 250
 
 `zerodp train` builds exactly that command line; this module is also usable on its own
 (a single process without torchrun is world size 1). Rank 0 shows a progress bar and, at
@@ -24,14 +24,14 @@ from typing import Optional
 import torch
 
 import zerodp
-from zerodp import data as zdata
-from zerodp import estimator
+from zerodp.demo import data as zdata
+from zerodp.memory import estimator
 from zerodp.config import DTYPES, Config
 from zerodp.memory import formula_bytes
-from zerodp.models import GPT, PRESETS, Block, gpt_config
+from zerodp.demo.models import GPT, PRESETS, Block, gpt_config
 
-log = logging.getLogger("zerodp.train")
-console = logging.getLogger("zerodp.train.console")
+log = logging.getLogger("zerodp.demo.train")
+console = logging.getLogger("zerodp.demo.train.console")
 
 DEFAULT_STAGE = 3
 PROMPT = "LOVE, n."
@@ -150,7 +150,7 @@ class Job:
         self.rank, self.world_size = zerodp.init_distributed()
         setup_logging(self.rank, args.log_level)
         if args.out is None:  # rank 0's clock names the run directory, for every rank and node
-            from zerodp.comm import Comm
+            from zerodp.distributed import Comm
 
             args.out = Comm().all_gather_object(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))[0]
         if args.nproc is not None and args.nproc != self.world_size:
@@ -376,16 +376,19 @@ def summary_table(s: dict) -> str:
 
 
 def write_outputs(s: dict, out: str) -> None:
-    from zerodp.plotting import plot_run
-
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(s, f, indent=1, default=str)
+    try:
+        from zerodp.demo.plotting import plot_run
+    except ImportError:  # matplotlib is the optional `plot` extra
+        console.info("no plot: matplotlib is not installed (pip install 'zerodp[plot]')")
+        return
     plot_run(os.path.join(out, "summary.png"), s)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerodp.train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m zerodp.demo.train", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     job = Job(args)

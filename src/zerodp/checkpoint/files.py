@@ -1,0 +1,141 @@
+"""Atomic file I/O for checkpoints: fsynced writes with their size and sha256, and the
+commit that makes a finished temporary directory the checkpoint.
+
+[Note: atomic save]
+Every rank writes under `{path}.tmp-{id}` (the id is rank 0's, agreed by all_gather_object),
+fsyncs its files, then all ranks exchange "ok"/"failed" with all_gather_object. Only if
+every rank succeeded does rank 0 write COMPLETE inside the temporary directory (to a side
+file, renamed, so it is whole or absent) and then swap the directory into `path` in one
+atomic rename (`commit`); otherwise rank 0 removes the temporary directory and every rank
+raises the same CheckpointError. A checkpoint without COMPLETE is never loaded and
+`latest()` skips it, so a failure at any point leaves the previous checkpoint the newest
+complete one. A rank that dies outright (instead of raising) makes the others fail at the
+exchange after the process group's timeout, with the same outcome on disk.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+
+from safetensors.torch import save_file
+
+from .format import COMPLETE, FORMAT, OLD_TAG
+
+__all__ = ["commit", "digest", "write_json", "write_safetensors"]
+
+CHUNK = 1 << 20
+
+
+def digest(file: str) -> dict:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return {"size": os.path.getsize(file), "sha256": h.hexdigest()}
+
+
+def fsync(file: str) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(file: str, tensors: dict) -> dict:
+    """Write, fsync and return the size and sha256 of a safetensors file."""
+    save_file(tensors, file, metadata={"format": "pt"})
+    fsync(file)
+    return digest(file)
+
+
+def write_json(file: str, obj) -> dict:
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest(file)
+
+
+def fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fsync(path)
+
+
+def commit(tmp: str, path: str, files: dict) -> None:
+    """Make the finished temporary directory the checkpoint at `path`.
+
+    COMPLETE is written inside the private temporary directory first, so a failure there
+    (a full disk) leaves the previous checkpoint at `path` in place and trusted. Only then
+    is the previous one moved aside and the new one renamed into place; a save to the same
+    path that wins the race in between is moved aside in turn, and the last rename wins."""
+    side = os.path.join(tmp, COMPLETE + ".writing")
+    write_json(side, {"format": FORMAT, "files": files})
+    os.replace(side, os.path.join(tmp, COMPLETE))
+    fsync_dir(tmp)
+    if os.path.isdir(path) and not os.path.islink(path) and exchange(tmp, path):
+        # One atomic swap: `path` is never missing, not even for a reader in between.
+        fsync_dir(os.path.dirname(path))
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+        return
+    displaced = []
+    for attempt in range(8):
+        if os.path.lexists(path):
+            old = f"{path}{OLD_TAG}{uuid.uuid4().hex[:12]}"
+            try:
+                os.rename(path, old)
+                displaced.append(old)
+            except FileNotFoundError:  # another save moved it first
+                pass
+        try:
+            os.rename(tmp, path)
+            break
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 7:
+                if displaced and not os.path.lexists(path):  # put the previous checkpoint back
+                    os.rename(displaced.pop(), path)
+                raise
+    fsync_dir(os.path.dirname(path))
+    for old in displaced:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or a link where the checkpoint was to go
+            os.unlink(old)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap two directories atomically (Linux renameat2 with RENAME_EXCHANGE); False where
+    the C library or the filesystem cannot, and the caller renames in two steps instead."""
+    rename2 = renameat2()
+    if rename2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if rename2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+@functools.lru_cache(maxsize=1)
+def renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn

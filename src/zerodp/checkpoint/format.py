@@ -1,0 +1,156 @@
+"""The checkpoint format: file names, what a model holds, parameter-group hyperparameters,
+and how ranks report a failure to each other.
+
+[Note: checkpoint layout]
+A checkpoint is one directory:
+
+    metadata.json           rank 0: versions, config, world size, stage, dtypes, param groups,
+                            scalar optimizer states, loss scaler, step, the user's `extra`, and
+                            for every trainable parameter its shape, dtype, group and which rank
+                            file holds which element ranges ("pieces")
+    rank{r}.safetensors     rank r's owned element ranges: master/{name}/{start} (fp32),
+                            state/{key}/{name}/{start} (exp_avg, ...), and param/{name}/{start}
+                            (the compute-dtype value, only when it is not fp32: in fp32 the
+                            master is the parameter)
+    rank{r}.json            rank r's RNG states (torch, CUDA, python, numpy)
+    replicated.safetensors  rank 0: buffers and frozen parameters, by state_dict name
+    COMPLETE                written last: size and sha256 of every other file
+
+A piece is a range [start, start+numel) of the *flattened original parameter*, never of a
+flat buffer or a stage-3 unit, so the layout does not depend on the rank count, bucket
+size, stage or unit choice:
+any world size and stage reads any checkpoint by opening only the pieces that overlap
+what it owns (`safe_open(...).get_slice`), with no conversion step. Tensors are stored
+with safetensors only; nothing is pickled.
+
+[Note: trainable state comes from the optimizer]
+Trainable values and shapes are read and written through `optimizer.owned_slices()` (full
+shapes, owned ranges), never the model: at stage 3 `model.state_dict()` holds 1-D shards.
+The model gives only names, which are trainable (by identity: tied weights too) and the
+replicated tensors, full at every stage. Nothing is gathered, at stage 3 either.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["CheckpointError", "ModelView", "PathLike", "model_view"]
+
+FORMAT = "zerodp-checkpoint"
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+COMPLETE = "COMPLETE"
+REPLICATED = "replicated.safetensors"
+TMP_TAG = ".tmp-"  # an unfinished save
+OLD_TAG = ".old-"  # a checkpoint being replaced by a save to the same path
+
+PathLike = str | os.PathLike
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says which file or name and why."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+def rank_json(rank: int) -> str:
+    return f"rank{rank}.json"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_error(e: BaseException) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+@dataclass
+class ModelView:
+    """The model's state_dict names, each either a trainable parameter (held by the
+    optimizer's owned slices, under its first name) or replicated (buffers, frozen params).
+    See [Note: trainable state comes from the optimizer]."""
+
+    keys: list  # [state_dict key, "param" | "replicated", source name], in state_dict order
+    replicated: dict  # source name -> tensor
+    trainable: set  # names of trainable parameters as owned_slices names them
+
+    def aliases(self) -> dict:
+        """Trainable name -> every state_dict key that holds it (tied weights have several)."""
+        out: dict = {}
+        for key, kind, src in self.keys:
+            if kind == "param":
+                out.setdefault(src, []).append(key)
+        return out
+
+
+def model_view(model: nn.Module) -> ModelView:
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    seen: dict = {}
+    keys, replicated = [], {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in trainable:
+            keys.append([key, "param", trainable[id(t)]])
+        elif id(t) in seen:  # a tied frozen parameter or shared buffer: stored once
+            keys.append([key, "replicated", seen[id(t)]])
+        else:
+            seen[id(t)] = key
+            keys.append([key, "replicated", key])
+            replicated[key] = t
+    return ModelView(keys, replicated, set(trainable.values()))
+
+
+def json_safe(value):
+    """A hyperparameter as JSON, or None when it has no JSON form (it is then not saved)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+        return value
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [json_safe(v) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value)) else items
+    return None
+
+
+def group_hyperparameters(optimizer) -> list:
+    out = []
+    for group in optimizer.inner.param_groups:
+        out.append({k: json_safe(v) for k, v in group.items()
+                    if k != "params" and (json_safe(v) is not None or v is None)})
+    return out
+
+
+def restore_hyperparameters(optimizer, saved: list) -> None:
+    for group, values in zip(optimizer.inner.param_groups, saved):
+        for k, v in values.items():
+            if k == "params" or k not in group:
+                continue
+            cur = group[k]
+            if torch.is_tensor(cur):
+                cur.fill_(v)
+            elif isinstance(cur, tuple) and isinstance(v, list):
+                group[k] = tuple(v)
+            else:
+                group[k] = v
+
+
+def raise_if_failed(statuses: list, what: str) -> None:
+    errors: dict = {}
+    for rank, st in enumerate(statuses):
+        if st is not None and not st["ok"]:
+            errors.setdefault(st["error"], []).append(rank)
+    if errors:
+        parts = [f"rank {', '.join(map(str, ranks))}: {err}" for err, ranks in errors.items()]
+        raise CheckpointError(f"{what} failed on {sum(map(len, errors.values()))} of {len(statuses)} ranks; "
+                              + " | ".join(parts))
+
+
+def write_replicated(values: dict, targets: dict) -> None:
+    for k, v in values.items():
+        t = targets[k]
+        t.data.copy_(v.to(device=t.device, dtype=t.dtype))

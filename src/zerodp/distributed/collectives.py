@@ -1,0 +1,162 @@
+"""Gather and reduce-scatter strategies: how a flat buffer's chunks move along one mesh axis.
+
+A strategy is chosen per flat group or stage-3 unit (`Comm.collectives(axis)` gives the
+default for the process group's backend) and is the one place where its all-gathers and
+reduce-scatters are issued and recorded. A new way of moving the same bytes (quantized
+weights or gradients, a hierarchical reduce) is a new subclass, plugged in where the
+group or unit is built; nothing above this module changes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .ledger import CommLedger
+
+__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Works:
+    """Several in-flight collectives as one handle (wait / is_completed), running `then`
+    once, on the first wait after all are done."""
+
+    def __init__(self, works: list, then=None):
+        self.works, self.then = works, then
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def finish(self, async_op: bool):
+        if async_op:
+            return self
+        self.wait()
+        return None
+
+
+def check_device(device: torch.device, rank: int, op: str, *tensors: torch.Tensor) -> None:
+    """NCCL only moves CUDA tensors, so a CPU tensor sent on an NCCL group fails at run
+    time; checking here makes a CPU-only (gloo) run catch the same mistake."""
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"rank {rank}: {op} got a tensor on {t.device}, but this process group "
+                             f"communicates tensors on {device}: create it on the model's device")
+
+
+class Collectives:
+    """All-gather and reduce-scatter of equal chunks over one axis's process group.
+
+    Pure functions of tensors: nothing here knows about modules or parameters. Each call
+    is recorded in the ledger with the bytes `wire_nbytes` says it sends."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], axis: str, size: int, rank: int,
+                 ledger: CommLedger, device: torch.device):
+        self.group, self.axis, self.size, self.rank = group, axis, size, rank
+        self.ledger, self.device = ledger, device
+
+    def wire_nbytes(self, full: torch.Tensor) -> int:
+        """Bytes the collective of the full tensor `full` sends: its own size, unless a
+        strategy encodes what it sends."""
+        return full.numel() * full.element_size()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
+        """Concatenate every rank's `input` chunk into `output` (the full tensor)."""
+        if self._done_locally("all_gather", output, input, output, phase):
+            return None
+        return self.launch_all_gather(output, input, async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
+        """Sum `input` (the full tensor) over ranks; this rank receives its chunk in `output`."""
+        if self._done_locally("reduce_scatter", output, input, input, phase):
+            return None
+        return self.launch_reduce_scatter(output, input, async_op)
+
+    def _done_locally(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor,
+                      phase: str) -> bool:
+        """Check and record one collective whose full tensor is `full`; True when there is
+        nothing to send (one rank on the axis: the result is a copy, and the same volume
+        is recorded either way)."""
+        check_device(self.device, self.rank, op, output, input)
+        chunk = input if full is output else output
+        if full.numel() != chunk.numel() * self.size:
+            raise ValueError(f"{op}: the full tensor has {full.numel()} elements and the chunk {chunk.numel()}; "
+                             f"the full one must be the chunk x the {self.axis} axis size ({self.size})")
+        self.ledger.record(op, full.numel(), self.wire_nbytes(full), phase, self.axis)
+        if self.size > 1:
+            return False
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return True
+
+    def launch_all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        raise NotImplementedError
+
+    def launch_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        raise NotImplementedError
+
+
+class NativeCollectives(Collectives):
+    """torch's single-tensor collectives: NCCL's fast ones, used unchanged."""
+
+    def launch_all_gather(self, output, input, async_op):
+        return _all_gather_single(output, input, group=self.group, async_op=async_op)
+
+    def launch_reduce_scatter(self, output, input, async_op):
+        return _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+
+
+class GlooCollectives(Collectives):
+    """[Note: gloo all-gather and reduce-scatter]
+    gloo's all-gather and reduce-scatter stage every call through freshly allocated flat
+    buffers and extra copies, and run at half the speed of its in-place broadcast and
+    send/recv. So on gloo an all-gather is N in-place broadcasts (rank s sends its chunk
+    straight into everyone's slot s), and a reduce-scatter is a direct exchange: each rank
+    sends chunk s to rank s and sums the N-1 chunks it receives into its own. Each rank
+    sends and receives the same bytes as with the ring versions, so the ledger records
+    the same volume. Measured on a 28 MB buffer, N=2, CPU, median of 30 calls:
+    all-gather 13.8-14.8 ms vs 21.6-26.7 ms (gloo's list form; single-tensor form
+    30-38 ms); reduce-scatter 14.7 ms vs 30.1-34.1 ms (list form)."""
+
+    def _peer(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def launch_all_gather(self, output, input, async_op):
+        chunks = output.chunk(self.size)
+        if chunks[self.rank].data_ptr() != input.data_ptr():
+            chunks[self.rank].copy_(input)
+        works = [dist.broadcast(chunk, src=self._peer(s), group=self.group, async_op=True)
+                 for s, chunk in enumerate(chunks)]
+        return Works(works).finish(async_op)
+
+    def launch_reduce_scatter(self, output, input, async_op):
+        n, r = self.size, self.rank
+        chunks = input.chunk(n)
+        received = [torch.empty_like(chunks[r]) for _ in range(n - 1)]
+        works = []
+        for k in range(1, n):  # round k: send chunk r+k to its owner, receive ours from r-k
+            works.append(dist.isend(chunks[(r + k) % n], self._peer((r + k) % n), group=self.group))
+            works.append(dist.irecv(received[k - 1], self._peer((r - k) % n), group=self.group))
+
+        def then():
+            if output.data_ptr() != chunks[r].data_ptr():
+                output.copy_(chunks[r])
+            for t in received:
+                output.add_(t)
+        return Works(works, then).finish(async_op)
+
+
+def default_collectives(backend: Optional[str]) -> type[Collectives]:
+    """The strategy for a backend: gloo's own exchange on gloo, torch's collectives elsewhere."""
+    return GlooCollectives if backend == "gloo" else NativeCollectives

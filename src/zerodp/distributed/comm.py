@@ -1,0 +1,138 @@
+"""The one door to torch.distributed: every collective zerodp issues passes through a
+`Comm` (its gathers and reduce-scatters through the `Collectives` strategy of an axis) and
+is recorded in its ledger (ledger.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Collectives, check_device, default_collectives
+from .ledger import CommLedger
+from .topology import Topology, forget_meshes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Comm", "init_distributed", "shutdown_distributed"]
+
+
+class Comm:
+    """Collectives over the data-parallel mesh (topology.py), each recorded in `ledger`.
+
+    `rank` and `world_size` are this process's place among all data-parallel ranks;
+    `shard_rank` and `shard_size` its place on the axis model states are sharded over.
+    Every tensor must lie on `device` (the model's): see `check_device`.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, ledger: Optional[CommLedger] = None,
+                 device: Optional[torch.device] = None, topology: Optional[Topology] = None):
+        self.topology = topology if topology is not None else Topology.build(group, device)
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.device = self.topology.device
+        self.rank, self.world_size = self.topology.rank, self.topology.world_size
+        self.shard_rank, self.shard_size = self.topology.shard_rank, self.topology.shard_size
+        self._strategies: dict = {}
+
+    def collectives(self, axis: str = "shard") -> Collectives:
+        """The default gather/reduce-scatter strategy on `axis` for this backend."""
+        if axis not in self._strategies:
+            t = self.topology
+            strategy = default_collectives(t.backend)
+            self._strategies[axis] = strategy(t.group(axis), axis, t.size(axis), t.rank_on(axis), self.ledger,
+                                              self.device)
+        return self._strategies[axis]
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        check_device(self.device, self.rank, op, *tensors)
+
+    def _peer(self, axis: str, rank: int) -> int:
+        group = self.topology.group(axis)
+        return dist.get_global_rank(group, rank) if group is not None else rank
+
+    # A single process needs no communication; these shortcuts keep world size 1 free of
+    # a process group while recording the same volume (0 moved between ranks either way).
+    def all_reduce(self, tensor: torch.Tensor, phase: str, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   axis: str = "data"):
+        self._check("all_reduce", tensor)
+        self.ledger.record("all_reduce", tensor.numel(), tensor.numel() * tensor.element_size(), phase, axis)
+        if self.topology.size(axis) == 1:
+            return None
+        return dist.all_reduce(tensor, op=op, group=self.topology.group(axis), async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, phase: str, axis: str = "data") -> None:
+        self._check("broadcast", tensor)
+        self.ledger.record("broadcast", tensor.numel(), tensor.numel() * tensor.element_size(), phase, axis)
+        if self.topology.size(axis) > 1:
+            dist.broadcast(tensor, src=self._peer(axis, src), group=self.topology.group(axis))
+
+    def all_gather_object(self, obj, phase: str = "control") -> list:
+        """Every data-parallel rank's small Python object (agreement, checkpoint metadata)."""
+        self.ledger.record("all_gather_object", 0, 0, phase)
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.topology.data_group)
+        return out
+
+    def barrier(self, phase: str = "control") -> None:
+        self.ledger.record("barrier", 0, 0, phase)
+        if self.world_size > 1:
+            dist.barrier(group=self.topology.data_group)
+
+    def max_scalar(self, value: float, phase: str = "control", axis: str = "data") -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        self.all_reduce(t, phase, op=dist.ReduceOp.MAX, axis=axis)
+        return float(t.item())
+
+    def sum_scalar(self, value: torch.Tensor, phase: str = "control", axis: str = "data") -> torch.Tensor:
+        t = value.detach().to(device=self.device, dtype=torch.float64).reshape(1).clone()
+        self.all_reduce(t, phase, axis=axis)
+        return t[0]
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment, or run alone.
+
+    With no RANK/WORLD_SIZE in the environment this is a single process (world size 1) and
+    no process group is created. The backend is NCCL when CUDA is available, gloo otherwise.
+    Returns (rank, world_size).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import datetime
+
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    log.info("rank %d/%d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed(wait: Optional[bool] = None) -> None:
+    """Leave the process group joined by `init_distributed`. Every rank waits for the others
+    first, so that no rank tears its connections down while a peer is still finishing its
+    last collective (with gloo that aborts the peer). Called while an exception propagates
+    (from a `finally:`), it does not wait: the peers may never reach the barrier, and the
+    rank's own error must surface rather than hang; closing the group makes the peers fail
+    promptly. After an error handled in an `except`, the exception is gone: pass
+    `wait=False` there (a barrier cannot be bounded while a peer sits in another
+    collective). A no-op in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        if wait is None:
+            wait = sys.exc_info()[0] is None
+        if wait:
+            dist.barrier()
+        else:
+            log.error("rank %d: leaving the process group without waiting for the other ranks", dist.get_rank())
+        forget_meshes()
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""Where the data-parallel ranks sit: a `DeviceMesh` with named axes.
+
+[Note: mesh axes]
+The data-parallel ranks form a 2-D mesh ``(replicate, shard)``. ZeRO partitions model
+states over the ``shard`` axis; ranks along ``replicate`` hold the same shards (hybrid
+sharding, FSDP2's HSDP, ZeRO++'s hpZ, all shard within a node and replicate across nodes).
+Every flat layout is cut into ``shard`` pieces; gradients are averaged over all of the
+``data`` ranks (both axes). Collectives name the axis they run on, and the comm ledger
+records bytes by axis, so intra-node and inter-node traffic stay separable. Today the
+``replicate`` axis has size 1: every rank shards over all ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..config import ConfigError
+
+__all__ = ["AXES", "Topology"]
+
+# "data" is the whole data-parallel group: both mesh axes together.
+AXES = ("shard", "replicate", "data")
+
+# Meshes already built, by (process group name, replicate size), with the group they were
+# built over: initialize may run many times in one process, and each mesh owns process
+# groups that live until the process group is destroyed.
+_MESHES: dict = {}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The data-parallel mesh of this process: axis sizes, this rank's coordinates, and one
+    process group per axis (None where there is no process group: a single process)."""
+
+    mesh: Optional[DeviceMesh]
+    device: torch.device
+    shard_size: int
+    shard_rank: int
+    replicate_size: int
+    replicate_rank: int
+    data_group: Optional[dist.ProcessGroup]
+    shard_group: Optional[dist.ProcessGroup]
+    replicate_group: Optional[dist.ProcessGroup]
+    backend: Optional[str]
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: replicate x shard."""
+        return self.shard_size * self.replicate_size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the data-parallel ranks (replicate-major)."""
+        return self.replicate_rank * self.shard_size + self.shard_rank
+
+    def group(self, axis: str) -> Optional[dist.ProcessGroup]:
+        return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group}[_axis(axis)]
+
+    def size(self, axis: str) -> int:
+        return {"shard": self.shard_size, "replicate": self.replicate_size, "data": self.world_size}[_axis(axis)]
+
+    def rank_on(self, axis: str) -> int:
+        return {"shard": self.shard_rank, "replicate": self.replicate_rank, "data": self.rank}[_axis(axis)]
+
+    @classmethod
+    def build(cls, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
+              replicate_size: int = 1) -> "Topology":
+        """The mesh over `group` (default: every process torchrun started), `replicate_size`
+        rows of shard groups. Without a process group (one process) every axis has size 1."""
+        distributed = dist.is_available() and dist.is_initialized()
+        backend = dist.get_backend(group) if distributed else None
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = torch.device(device)
+        if not distributed:
+            if replicate_size != 1:
+                raise ConfigError(f"Config.replicate_size={replicate_size} needs that many ranks at least; this is "
+                                  f"a single process: use 1")
+            return cls(None, device, 1, 0, 1, 0, None, None, None, None)
+        world = dist.get_world_size(group)
+        if world % replicate_size:
+            raise ConfigError(f"Config.replicate_size={replicate_size} does not divide the {world} data-parallel "
+                              f"ranks: the mesh is replicate x shard, so use a divisor of {world}")
+        mesh = _mesh(group if group is not None else dist.group.WORLD, device.type, replicate_size)
+        shard_size = world // replicate_size
+        return cls(mesh, device, shard_size, mesh.get_local_rank("shard"), replicate_size,
+                   mesh.get_local_rank("replicate"), group, mesh.get_group("shard"), mesh.get_group("replicate"),
+                   backend)
+
+
+def _axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"mesh axis {axis!r} is unknown: use one of {AXES}")
+    return axis
+
+
+def _mesh(group: dist.ProcessGroup, device_type: str, replicate_size: int) -> DeviceMesh:
+    """A (replicate, shard) DeviceMesh over `group`'s ranks, built once per group and size.
+    Only the groups this rank belongs to are created, each by its own members
+    (`use_local_synchronization`), so no rank waits on groups it is not in."""
+    key = (group.group_name, replicate_size)
+    built = _MESHES.get(key)
+    if built is not None and built[0] is group:
+        return built[1]
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    shard_size = len(ranks) // replicate_size
+    grid = torch.tensor(ranks, dtype=torch.int).view(replicate_size, shard_size)
+    row, col = divmod(ranks.index(me), shard_size)
+    if replicate_size == 1:
+        shard_group = group  # the whole group: reuse it rather than open a second one
+    else:
+        shard_group = dist.new_group(grid[row].tolist(), use_local_synchronization=True)
+    replicate_group = dist.new_group(grid[:, col].tolist(), use_local_synchronization=True)
+    mesh = DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=grid,
+                                 mesh_dim_names=("replicate", "shard"))
+    _MESHES[key] = (group, mesh)
+    return mesh
+
+
+def forget_meshes() -> None:
+    """Drop the built meshes (their process groups are being destroyed)."""
+    _MESHES.clear()

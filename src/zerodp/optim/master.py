@@ -1,0 +1,115 @@
+"""The fp32 master of each storage's owned pieces, and where it lives.
+
+[Note: master placement]
+A `MasterPlacement` decides where a shard's fp32 master (and, through the tensors the
+optimizer is handed, its per-element states) is allocated, how the reduced gradient
+reaches it, and how updated values go back to the compute parameters. "device", the only
+kind so far, keeps everything beside the parameters. Offload to host memory or disk is
+another placement: the optimizer's step, `sync_params_from_master` and the checkpoint
+code (through `ZeroOptimizer.owned_slices`) only ever go through these methods.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..memory import hostmem
+
+__all__ = ["MasterPlacement", "MasterShard", "ShardStorage", "runs_of_bytes"]
+
+
+class ShardStorage(Protocol):
+    """What the optimizer needs from a group's storage (stages 0-2: FlatParamGroup;
+    stage 3: a unit's sharded parameters)."""
+
+    def owned_params(self) -> list[torch.Tensor]: ...
+    def owned_grads(self) -> list[torch.Tensor]: ...
+    def owned_fp32(self) -> list[torch.Tensor]: ...
+    def drop_initial_fp32(self) -> None: ...
+    def owned_pieces(self) -> list: ...
+    def publish(self, phase: str = "step") -> None: ...
+    def zero_grad(self) -> None: ...
+    def held_tensors(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class MasterPlacement:
+    kind: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.kind != "device":
+            raise ValueError(f"master placement {self.kind!r} is not supported: use 'device'")
+
+    def allocate(self, numel: int, like: torch.device) -> torch.Tensor:
+        """One long-lived fp32 buffer (MD) for a shard's master."""
+        return hostmem.empty(numel, torch.float32, like)
+
+    def fp32_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The reduced gradient as the master's `.grad`: itself when it is fp32 (no copy),
+        else an fp32 upcast."""
+        return grad.view(master.shape) if grad.dtype == torch.float32 else grad.float().view(master.shape)
+
+    def write_back(self, master: torch.Tensor, param: torch.Tensor) -> None:
+        """Updated master values into the compute-dtype parameter piece."""
+        param.copy_(master.view_as(param))
+
+    def read(self, master: torch.Tensor) -> torch.Tensor:
+        """A master range as a contiguous CPU tensor, for a checkpoint."""
+        return master.detach().cpu().contiguous()
+
+    def write(self, master: torch.Tensor, value: torch.Tensor) -> None:
+        """Values from a checkpoint (CPU, fp32) into a master range."""
+        master.copy_(value.to(master.device))
+
+
+class MasterShard:
+    """One storage's owned pieces and the master tensors the inner optimizer updates: one
+    tensor per owned piece (a bucket's chunk at stages 0-2, a parameter's part at stage
+    3), so the optimizer's temporaries stay piece-sized rather than shard-sized. In fp32
+    the owned parameter pieces are their own master (views, no copy)."""
+
+    def __init__(self, storage: ShardStorage, full_precision: bool, placement: MasterPlacement):
+        self.storage, self.full_precision, self.placement = storage, full_precision, placement
+        if full_precision:
+            self.master_tensors = storage.owned_params()
+        else:
+            fp32 = storage.owned_fp32()
+            sizes = [t.numel() for t in fp32]
+            flat = placement.allocate(sum(sizes), fp32[0].device if fp32 else torch.device("cpu"))
+            self.master_tensors = list(torch.split(flat, sizes)) if fp32 else []
+            for m, t in zip(self.master_tensors, fp32):
+                m.copy_(t)
+
+    def attach_grads(self, inv_scale: float) -> None:
+        for m, g in zip(self.master_tensors, self.storage.owned_grads()):
+            m.grad = self.placement.fp32_grad(g, m)
+            if inv_scale != 1.0:
+                m.grad.mul_(inv_scale)
+
+    def write_back(self) -> None:
+        """Masters into the compute parameters (nothing to do when they are the parameters)."""
+        if not self.full_precision:
+            for m, param in zip(self.master_tensors, self.storage.owned_params()):
+                self.placement.write_back(m, param)
+
+    def refresh_from_params(self) -> None:
+        if not self.full_precision:
+            for m, param in zip(self.master_tensors, self.storage.owned_params()):
+                m.copy_(param.reshape(-1))
+
+
+def runs_of_bytes(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `tensors` of at most `max_bytes` each (one tensor may exceed it)."""
+    out, run, size = [], [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if run and size + nbytes > max_bytes:
+            out.append(run)
+            run, size = [], 0
+        run.append(t)
+        size += nbytes
+    if run:
+        out.append(run)
+    return out

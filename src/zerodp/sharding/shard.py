@@ -1,0 +1,115 @@
+"""Turn a prepared model's trainable parameters into sharded storage: flat param groups
+(stages 0-2) or stage-3 units. What comes out is what the schedule drives and the
+optimizer steps; nothing here installs a hook or knows the optimizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..config import Config
+from ..distributed import Comm
+from ..memory.pool import BufferPool
+from .flat_group import FlatParamGroup
+from .flat_unit import FlatUnit, UnitGroupView
+from .meta_init import check_same_initialisation, default_device, has_meta, materialize
+from .prepare import apply_compute_dtype, replicate_from_rank0
+from .units import assign_params, encloses, select_units
+
+__all__ = ["FlatGroups", "ShardedUnits", "flatten_groups", "shard_units"]
+
+
+@dataclass(frozen=True)
+class FlatGroups:
+    """Stages 0-2: one flat group per optimizer param group."""
+
+    groups: list  # FlatParamGroup per param group
+    backward_order: dict  # id(parameter) -> expected rank among backward's finished parameters
+
+
+@dataclass(frozen=True)
+class ShardedUnits:
+    """Stage 3: the units, each param group's parts of them, and the trainable parameters
+    as they are after materialisation (name, parameter)."""
+
+    units: list  # FlatUnit, the root last
+    group_views: list  # per param group: the UnitGroupViews of the units it has parameters in
+    trainable: list
+    pool: BufferPool
+
+
+def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
+                   config: Config) -> FlatGroups:
+    """Replicate the model from rank 0, cast what stays replicated, and lay out each param
+    group's parameters in one flat buffer."""
+    trainable = {id(p) for _, p in named}
+    replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
+    apply_compute_dtype(model, config.compute_dtype, skip=trainable, cast_buffers=config.cast_buffers)
+    # Backward finishes parameters roughly in reverse registration order; laying each group
+    # out in that order lets its buckets fill one after another.
+    backward_order = {id(p): len(named) - 1 - i for i, (_, p) in enumerate(named)}
+    groups = []
+    for idx in group_indices:
+        idx = sorted(idx, reverse=True)
+        groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm, config.stage,
+                                     config.compute_dtype, config.grad_reduce_dtype, config.bucket_bytes))
+    return FlatGroups(groups, backward_order)
+
+
+def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
+                config: Config) -> ShardedUnits:
+    """Split `model` into units and shard each unit's trainable parameters. A model built
+    under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole."""
+    units = select_units(model, config.unit_modules, config.unit_min_params)
+    assignment = assign_params(model, units, named)
+    names = [n for n, _ in named]
+    unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
+    remaining = [len(idx) for idx in assignment]
+    current = {i: p for i, (_, p) in enumerate(named)}
+    built: dict[int, FlatUnit] = {}
+    pool = BufferPool()
+    # A model born on the meta device is initialised identically on every rank from the
+    # seed (meta_init.py), so its units need no broadcast from rank 0.
+    born_sharded = has_meta(model)
+
+    def build(ui: int) -> None:
+        idx = assignment[ui]
+        built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
+                             comm, config.compute_dtype, config.grad_reduce_dtype, pool,
+                             sync_from_rank0=not born_sharded)
+
+    if born_sharded:
+        old_index = {id(p): i for i, (_, p) in enumerate(named)}
+
+        def on_param(old, new):
+            i = old_index.get(id(old))
+            if i is None:
+                return
+            current[i] = new
+            ui = unit_of[i]
+            remaining[ui] -= 1
+            if remaining[ui] == 0 and ui != len(units) - 1:
+                build(ui)  # shard as soon as the unit is complete, freeing its full copy
+        materialize(model, default_device(), on_param)
+    for ui, idx in enumerate(assignment):
+        if (idx or ui == len(units) - 1) and ui not in built:
+            build(ui)
+    flat_units = [built[ui] for ui in sorted(built)]
+    if born_sharded:
+        check_same_initialisation(flat_units, comm)
+    for u in flat_units:
+        u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
+    sharded = {id(p) for u in flat_units for p in u.params}
+    replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
+    apply_compute_dtype(model, config.compute_dtype, skip=sharded, cast_buffers=config.cast_buffers)
+    name_index = {n: i for i, n in enumerate(names)}
+    group_views = []
+    for idx in group_indices:
+        chosen = set(idx)
+        views = []
+        for u in flat_units:
+            local = [k for k in range(len(u.params)) if name_index[u.names[k]] in chosen]
+            if local:
+                views.append(UnitGroupView(u, local))
+        group_views.append(views)
+    return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names)], pool)
