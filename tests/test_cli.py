@@ -79,6 +79,30 @@ def test_train_checkpoint_resume_and_export(tiny_run, tmp_path):
     GPT("tiny").load_state_dict(load_file(str(target)), strict=True)
 
 
+def test_train_restarts_after_a_worker_dies_and_matches_the_uninterrupted_run(tmp_path):
+    """torchrun's --max-restarts, passed through: rank 1 exits abruptly at step 6; the workers
+    restart, resume from the newest complete checkpoint (step 4) and finish with the same
+    losses, bit for bit, as a run that never failed. keep_last leaves the 2 newest."""
+    common = ["train", "--model", "tiny", "--nproc", 2, "--stage", 2, "--steps", 12, "--lr", "1e-2",
+              "--eval-every", 12, "--sample-tokens", 0, "--ckpt-every", 4, "--keep-last", 2]
+    plain = zerodp_cmd(*common, "--out", tmp_path / "plain", timeout=150)
+    assert plain.returncode == 0, plain.stderr[-5000:]
+    failed = zerodp_cmd(*common, "--out", tmp_path / "failed", "--max-restarts", 1, "--simulate-failure-at", 6,
+                        timeout=200)
+    assert failed.returncode == 0, failed.stderr[-5000:]
+    assert "--simulate-failure-at 6: exiting abruptly" in failed.stderr
+    assert "resumed from" in failed.stdout and "at step 4" in failed.stdout
+    a = json.loads((tmp_path / "plain" / "summary.json").read_text())["losses"]
+    b = json.loads((tmp_path / "failed" / "summary.json").read_text())["losses"]
+    assert [s for s, _ in b] == list(range(12)) and a == b
+    assert sorted(os.listdir(tmp_path / "failed" / "ckpt")) == ["step_000008", "step_000012"]
+
+
+def test_max_restarts_needs_checkpoints(capsys):
+    assert cli.main(["train", "--max-restarts", "2"]) == 2
+    assert "--max-restarts needs --ckpt-every" in capsys.readouterr().err
+
+
 def test_estimate_paper_table_1():
     proc = zerodp_cmd("estimate", "--paper-table-1")
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,7 @@ from zerodp import Config, ConfigError
 # The set of options is pinned: adding one is a decision, not a drive-by.
 FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_loss_scale",
           "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
-          "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size",
+          "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug"}
 
 
@@ -27,6 +27,7 @@ BAD = [
     ({"stage": 4}, "stage", "0, 1, 2 or 3"),
     ({"stage": "2"}, "stage", "0, 1, 2 or 3"),
     ({"replicate_size": 0}, "replicate_size", "positive integer"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s", "positive number of seconds"),
     ({"mixed_precision": "fp8"}, "mixed_precision", "bf16"),
     ({"reduce_dtype": "int8"}, "reduce_dtype", "fp32"),
     ({"loss_scale": "auto"}, "loss_scale", "dynamic"),

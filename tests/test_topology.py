@@ -12,10 +12,10 @@ def results():
     return run_world(4, topology_world, timeout_s=240)
 
 
-def test_the_default_mesh_is_one_row_over_every_rank(results):
+def test_the_default_mesh_shards_over_every_rank(results):
     for rank, r in enumerate(results):
         f = r["flat"]
-        assert f["names"] == ("replicate", "shard") and f["shape"] == (1, 4)
+        assert f["names"] == ("shard",) and f["shape"] == (4,)  # a replicate axis of 1 needs no group
         assert f["shard"] == (4, rank) and f["replicate"] == (1, 0) and f["rank"] == rank
         # The shard axis reuses the process group rather than opening a second one, and a
         # mesh is built once per group: initialize may run many times in one process.

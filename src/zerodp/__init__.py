@@ -6,7 +6,7 @@
 from .api import initialize
 from .checkpoint import consolidate, export, latest, load, load_pretrained, save
 from .config import Config, ConfigError
-from .distributed import CommLedger, Topology, init_distributed, shutdown_distributed
+from .distributed import CollectiveError, CommLedger, Topology, init_distributed, shutdown_distributed
 from .memory.estimator import estimate
 from .memory.ledger import MemoryReport
 from .optim import ZeroOptimizer
@@ -15,7 +15,7 @@ from .sharding.meta_init import init
 from .version import __version__
 
 __all__ = [
-    "Config", "ConfigError", "CommLedger", "MemoryReport", "Topology", "ZeroOptimizer",
+    "CollectiveError", "Config", "ConfigError", "CommLedger", "MemoryReport", "Topology", "ZeroOptimizer",
     "init_distributed", "shutdown_distributed", "init", "initialize", "gathered_parameters",
     "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
     "__version__",

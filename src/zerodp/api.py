@@ -32,6 +32,31 @@ __all__ = ["initialize"]
 _INITIALIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Config, named: list,
+                        optimizer_kwargs: dict) -> tuple:
+    """Everything initialize checks on its own before the ranks compare notes: the user's
+    optimizer, its param groups, and the description every rank must share."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(f"model is wrapped in {type(model).__name__}: zerodp replaces it; pass the plain module "
+                        f"(model.module) to zerodp.initialize")
+    if model in _INITIALIZED:
+        raise RuntimeError(f"this {type(model).__name__} was already passed to zerodp.initialize: its parameters are "
+                           f"already flat shards. Keep the model and optimizer it returned, or build a new model")
+    if config.replicate_size != 1:
+        raise ConfigError(f"Config.replicate_size={config.replicate_size}: hybrid sharding (replicas of a "
+                          f"sharded group) is not supported yet; use 1, which shards over all ranks")
+    if not named:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
+                         f"there is nothing for zerodp to shard or train")
+    check_param_dtypes(named, config)
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
+                         f"move the model to one device before zerodp.initialize")
+    inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
+    return inner, grouped_params(inner, named), describe(model, inner, config)
+
+
 def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
                process_group: Optional[Any] = None, **optimizer_kwargs) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state across the data-parallel ranks; returns (model, optimizer).
@@ -49,38 +74,24 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         raise TypeError(f"config must be a zerodp.Config or a dict, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        raise TypeError(f"model is wrapped in {type(model).__name__}: zerodp replaces it; pass the plain module "
-                        f"(model.module) to zerodp.initialize")
-    if model in _INITIALIZED:
-        raise RuntimeError(f"this {type(model).__name__} was already passed to zerodp.initialize: its parameters are "
-                           f"already flat shards. Keep the model and optimizer it returned, or build a new model")
     if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
         materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device if named else default_device()
-    # The ranks agree on everything (distributed/agreement.py) over the whole group before any mesh of
-    # another shape is built; a rank whose model, optimizer or Config is wrong must not
-    # leave the others waiting in that collective: its error travels with it.
-    comm = Comm(topology=Topology.build(process_group, default_device() if device.type == "meta" else device))
+    # The ranks agree on everything (distributed/agreement.py) before any other collective;
+    # a rank whose model, optimizer or Config is wrong must not leave the others waiting in
+    # that collective: its error travels with it.
+    comm_device = default_device() if device.type == "meta" else device
     inner, group_indices, described, problem = None, None, None, None
     try:
-        if config.replicate_size != 1:
-            raise ConfigError(f"Config.replicate_size={config.replicate_size}: hybrid sharding (replicas of a "
-                              f"sharded group) is not supported yet; use 1, which shards over all ranks")
-        if not named:
-            raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
-                             f"there is nothing for zerodp to shard or train")
-        check_param_dtypes(named, config)
-        devices = {p.device for _, p in named}
-        if len(devices) != 1:
-            raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
-                             f"move the model to one device before zerodp.initialize")
-        inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
-        group_indices = grouped_params(inner, named)
-        described = describe(model, inner, config)
-    except Exception as e:  # noqa: BLE001  (re-raised on this rank by check_ranks_agree)
-        problem = e
+        comm = Comm(topology=Topology.build(process_group, comm_device, timeout_s=config.collective_timeout_s))
+    except Exception as e:  # noqa: BLE001  (zerodp's own group failed: the error goes over the plain one)
+        comm, problem = Comm(process_group, device=comm_device), e
+    if problem is None:
+        try:
+            inner, group_indices, described = _build_and_describe(model, optimizer, config, named, optimizer_kwargs)
+        except Exception as e:  # noqa: BLE001  (re-raised on this rank by check_ranks_agree)
+            problem = e
     check_ranks_agree(comm, described, problem)
     check_elementwise(inner)
 

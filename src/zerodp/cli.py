@@ -95,11 +95,17 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError(f"--config {args.config}: {e}") from None
     if args.resume and not args.ckpt_dir and not args.out:
         raise UsageError("--resume needs --ckpt-dir (or the --out of the run to continue)")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts}: use 0 or more")
+    if args.max_restarts and not args.ckpt_every:
+        raise UsageError("--max-restarts needs --ckpt-every N: a restarted run resumes from the newest checkpoint")
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if args.max_restarts:
+        args.resume = True  # every attempt resumes from the newest complete checkpoint, if there is one
     template = argparse.ArgumentParser(add_help=False)
     add_arguments(template)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "zerodp.demo.train", *to_argv(args, template)]
+           "--max-restarts", str(args.max_restarts), "-m", "zerodp.demo.train", *to_argv(args, template)]
     status = run_child(cmd, torchrun_env())
     if status != 0:
         return fail("zerodp train", f"training failed (exit status {status}); the ranks' messages are above",

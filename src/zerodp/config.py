@@ -113,6 +113,12 @@ class Config:
     prefetch_units: int = 1
     """Stage 3: how many units ahead to gather asynchronously, in forward and backward."""
 
+    collective_timeout_s: float = 300.0
+    """How long any of zerodp's collectives waits for the other ranks before every waiting
+    rank raises an error naming the ranks that did not arrive and the collective each was
+    last in ([Note: no silent hang] in distributed/failure.py); torch's default is 30
+    minutes. Raise it for steps or checkpoint writes that keep a rank away longer."""
+
     debug: bool = False
     """Check on every gather that all ranks run the same unit (stage 3), raising an error
     that names the unit and the ranks instead of hanging."""
@@ -139,6 +145,8 @@ class Config:
         _positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
         _positive_int("replicate_size", self.replicate_size)
         _positive_int("unit_min_params", self.unit_min_params)
+        if not _is_number(self.collective_timeout_s) or not self.collective_timeout_s > 0:
+            raise _bad("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
         for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug"):

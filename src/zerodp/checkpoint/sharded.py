@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..distributed.agreement import describe_trained, first_disagreement
 from ..version import __version__
 from . import files as fileio  # by module, so a test can fail its writes
 from .format import (
@@ -45,6 +46,7 @@ from .format import (
     write_replicated,
 )
 from .reader import Reader, name_mismatch, open_checkpoint, verify
+from .retention import OWNER, owner_record, prune, remove_stale
 from .rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -72,18 +74,24 @@ def _shard_tensors(slices, full_precision: bool, placement) -> dict:
     return out
 
 
-def save(path: PathLike, model: nn.Module, optimizer, **extra) -> str:
+def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None = None, **extra) -> str:
     """Write a sharded checkpoint of `model` and `optimizer` to directory `path`, from every
-    rank in parallel (each writes only what it owns); returns the absolute path.
+    rank in parallel (each writes only what it owns); returns the absolute path. Every rank
+    must call it.
 
     `extra` (JSON-serialisable, e.g. the data loader's position or an LR scheduler's
     state_dict) is taken from rank 0 and returned by `load`. Atomic: see [Note: atomic save].
-    Saving to an existing checkpoint's path replaces it once the new one is complete.
+    Saving to an existing checkpoint's path replaces it once the new one is complete. Once
+    it is, leftovers of killed saves beside it are removed ([Note: stale leftovers] in
+    retention.py), and with `keep_last` only that many newest complete checkpoints stay in
+    its directory.
     """
     comm, rank = optimizer.comm, optimizer.comm.rank
     path = os.path.abspath(os.fspath(path))
     # 1. Agree on the temporary directory and on which rank holds which element ranges.
     try:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
         slices = _slices_to_write(optimizer)
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{uuid.uuid4().hex[:12]}",
@@ -92,12 +100,14 @@ def save(path: PathLike, model: nn.Module, optimizer, **extra) -> str:
                  "scalars": optimizer.scalar_states()}
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
         local = {"ok": False, "error": describe_error(e)}
-    agreed = comm.all_gather_object(local, "checkpoint")
+    agreed = comm.all_gather_object(local, "checkpoint", label=f"save of {path}: plan")
     raise_if_failed(agreed, f"save of {path} (nothing was written)")
     tmp = agreed[0]["tmp"]
     # 2. Every rank writes its files; rank 0 also the metadata and the replicated state.
     try:
         os.makedirs(tmp, exist_ok=True)
+        if rank == 0:
+            fileio.write_json(os.path.join(tmp, OWNER), owner_record())
         full_precision = optimizer.config.compute_dtype == torch.float32
         files = {rank_file(rank): fileio.write_safetensors(os.path.join(tmp, rank_file(rank)),
                                                       _shard_tensors(slices, full_precision, optimizer.placement)),
@@ -111,7 +121,7 @@ def save(path: PathLike, model: nn.Module, optimizer, **extra) -> str:
         status = {"ok": True, "files": files}
     except Exception as e:  # noqa: BLE001
         status = {"ok": False, "error": describe_error(e)}
-    statuses = comm.all_gather_object(status, "checkpoint")
+    statuses = comm.all_gather_object(status, "checkpoint", label=f"save of {path}: files written")
     try:
         raise_if_failed(statuses, f"save of {path} (the previous checkpoints are untouched)")
     except CheckpointError:
@@ -123,14 +133,29 @@ def save(path: PathLike, model: nn.Module, optimizer, **extra) -> str:
     if rank == 0:
         try:
             files = {name: d for st in statuses for name, d in st["files"].items()}
+            os.remove(os.path.join(tmp, OWNER))  # it names the writer of an unfinished save only
             fileio.commit(tmp, path, files)
             result = {"ok": True}
         except Exception as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             result = {"ok": False, "error": describe_error(e)}
-    raise_if_failed(comm.all_gather_object(result, "checkpoint")[:1], f"commit of {path}")
+    committed = comm.all_gather_object(result, "checkpoint", label=f"save of {path}: commit")
+    raise_if_failed(committed[:1], f"commit of {path}")
+    if rank == 0:
+        _tidy(os.path.dirname(path), keep_last, path)
     log.info("rank %d: saved checkpoint %s (step %d)", rank, path, optimizer.step_count)
     return path
+
+
+def _tidy(directory: str, keep_last: int | None, saved: str) -> None:
+    """After a successful save: what the directory no longer needs goes. A failure here
+    loses nothing and fails nothing; it is logged."""
+    try:
+        remove_stale(directory)
+        if keep_last is not None:
+            prune(directory, keep_last, keep=saved)
+    except OSError as e:
+        log.warning("checkpoint %s saved, but tidying %s failed: %s", saved, directory, e)
 
 
 def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> dict:
@@ -191,7 +216,16 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
         local = {"ok": True}
     except Exception as e:  # noqa: BLE001 - see [Note: validate, then write]
         local = {"ok": False, "error": describe_error(e)}
-    raise_if_failed(comm.all_gather_object(local, "checkpoint"), f"load of {path}")
+    # Every rank must read the same checkpoint (a `latest()` racing a save on a shared
+    # filesystem can differ per rank) into the same model: compared before anything changes.
+    which = (path, files[METADATA]["sha256"]) if local["ok"] else None
+    local["described"] = {"checkpoint (path, sha256 of its metadata)": which, **describe_trained(model, optimizer)}
+    everyone = comm.all_gather_object(local, "checkpoint", label=f"load of {path}")
+    raise_if_failed(everyone, f"load of {path}")
+    differs = first_disagreement([r["described"] for r in everyone])
+    if differs:
+        raise CheckpointError(f"rank {comm.rank}: load of {path} refused, nothing was changed: the ranks disagree "
+                              f"on the {differs}; every rank must load into the same model, optimizer and Config")
     _apply(meta, loaded, optimizer)
     log.info("rank %d: loaded checkpoint %s (step %d, saved by %d ranks at stage %d)", comm.rank, path,
              meta["step"], meta["world_size"], meta["stage"])

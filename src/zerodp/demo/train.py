@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="save every N steps as well as at the end (default 0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    p.add_argument("--keep-last", type=_positive_int, default=None,
+                   help="keep only the newest K complete checkpoints in --ckpt-dir (default: all)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the workers up to K times after one dies (torchrun's own mechanism), each time "
+                        "resuming from the newest complete checkpoint; needs --ckpt-every")
+    p.add_argument("--simulate-failure-at", type=_positive_int, default=None, metavar="STEP",
+                   help="to try --max-restarts: rank 1 exits abruptly when it reaches STEP, in the first attempt")
     p.add_argument("--out", default=None, help="run directory for summary.json/png (default runs/<timestamp>)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--config", default=None, help="a zerodp Config as a .json/.yaml file")
@@ -217,8 +224,9 @@ class Job:
                 log.warning("checkpoints are not available in this install: not saving step %d", step)
             return
         path = os.path.join(self.ckpt_dir, f"step_{step:06d}")
-        zerodp.save(path, self.model, self.opt, step=step, losses=[list(x) for x in self.losses],
-                    val_losses=[list(x) for x in self.val_losses], preset=self.args.model)
+        zerodp.save(path, self.model, self.opt, keep_last=self.args.keep_last, step=step,
+                    losses=[list(x) for x in self.losses], val_losses=[list(x) for x in self.val_losses],
+                    preset=self.args.model)
         self.last_ckpt = path
 
     # -- evaluation ---------------------------------------------------------------------
@@ -294,6 +302,10 @@ class Job:
                     bar.write(f"step {done}: train loss {loss_val:.3f}, val loss {self.val_losses[-1][1]:.3f}")
             if args.ckpt_every and done % args.ckpt_every == 0 and done != args.steps:
                 self.save(done)
+            if done == args.simulate_failure_at and self.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                                      "0") == "0":
+                log.error("rank 1: --simulate-failure-at %d: exiting abruptly", done)
+                os._exit(17)
         bar.close()
         wall = time.perf_counter() - t_start
         try:

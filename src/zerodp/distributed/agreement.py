@@ -69,18 +69,41 @@ def check_ranks_agree(comm: Comm, described: Optional[dict[str, Any]], problem: 
     """Raise on every rank if a rank failed before this point (`problem`: re-raised on that
     rank, named on the others) or if any rank's description differs from rank 0's."""
     mine = {"problem": None if problem is None else f"{type(problem).__name__}: {problem}", "described": described}
-    everyone = comm.all_gather_object(mine)
+    everyone = comm.all_gather_object(mine, label="zerodp.initialize agreement")
     failed = [(r, d["problem"]) for r, d in enumerate(everyone) if d["problem"] is not None]
     if problem is not None:
         raise problem
     if failed:
         raise RuntimeError(f"rank {comm.rank}: zerodp.initialize failed on rank {failed[0][0]}"
                            f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}: {failed[0][1]}")
-    everyone = [d["described"] for d in everyone]
-    for key in described:
+    differs = first_disagreement([d["described"] for d in everyone])
+    if differs:
+        raise ValueError(f"rank {comm.rank}: ranks disagree on the {differs}. Every rank must build the "
+                         f"same model, optimizer and Config before zerodp.initialize")
+
+
+def first_disagreement(everyone: list[dict[str, Any]]) -> Optional[str]:
+    """The first key on which some rank's description differs from rank 0's, with what
+    each had ("Config (rank 0 vs rank 1: ['stage']: '2' vs '3')"), or None."""
+    for key in everyone[0]:
         values = [d.get(key) for d in everyone]
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
             detail = "; ".join(f"rank 0 vs rank {r}: {_first_difference(values[0], values[r])}" for r in differ[:3])
-            raise ValueError(f"rank {comm.rank}: ranks disagree on the {key} ({detail}). Every rank must build the "
-                             f"same model, optimizer and Config before zerodp.initialize")
+            return f"{key} ({detail})"
+    return None
+
+
+def describe_trained(model: nn.Module, optimizer) -> dict[str, Any]:
+    """What every rank must agree on once initialized (checked again at load): stage-3
+    parameters are 1-D shards of rank-dependent sizes by then, so trainable parameters are
+    compared by name, and only what stays replicated by shape."""
+    trainable = {id(p) for _, p in optimizer.trainable}
+    return {
+        "Config": optimizer.config.to_dict(),
+        "trainable parameters": [n for n, _ in optimizer.trainable],
+        "replicated tensors (name, shape, dtype)": [
+            (n, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            for n, t in model.state_dict(keep_vars=True).items() if id(t) not in trainable],
+        "optimizer": type(optimizer.inner).__name__,
+    }

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ledger import CommLedger
+from .failure import FailureReport
+from .ledger import CommLedger, CommRecord
 
 __all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives"]
 
@@ -23,21 +24,34 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 class Works:
     """Several in-flight collectives as one handle (wait / is_completed), running `then`
-    once, on the first wait after all are done."""
+    once, on the first wait after all are done. With `record` and `failures`, an error
+    while waiting becomes a `CollectiveError` naming every rank ([Note: no silent hang])."""
 
-    def __init__(self, works: list, then=None):
-        self.works, self.then = works, then
+    def __init__(self, works: list, then=None, record: Optional[CommRecord] = None,
+                 failures: Optional[FailureReport] = None):
+        self.works, self.then, self.record, self.failures = works, then, record, failures
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        try:
+            return all(w.is_completed() for w in self.works)
+        except Exception as e:  # noqa: BLE001 - reported with every rank's whereabouts
+            self._failed(e)
 
     def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
         if self.then is not None:
             then, self.then = self.then, None
             then()
         return True
+
+    def _failed(self, error: BaseException) -> None:
+        if self.failures is None:
+            raise error
+        self.failures.raise_for(self.record, error)
 
     def finish(self, async_op: bool):
         if async_op:
@@ -62,30 +76,34 @@ class Collectives:
     is recorded in the ledger with the bytes `wire_nbytes` says it sends."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], axis: str, size: int, rank: int,
-                 ledger: CommLedger, device: torch.device):
+                 ledger: CommLedger, device: torch.device, failures: Optional[FailureReport] = None):
         self.group, self.axis, self.size, self.rank = group, axis, size, rank
-        self.ledger, self.device = ledger, device
+        self.ledger, self.device, self.failures = ledger, device, failures
 
     def wire_nbytes(self, full: torch.Tensor) -> int:
         """Bytes the collective of the full tensor `full` sends: its own size, unless a
         strategy encodes what it sends."""
         return full.numel() * full.element_size()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False,
+                   label: str = ""):
         """Concatenate every rank's `input` chunk into `output` (the full tensor)."""
-        if self._done_locally("all_gather", output, input, output, phase):
+        record = self._record("all_gather", output, input, output, phase, label)
+        if record is None:
             return None
-        return self.launch_all_gather(output, input, async_op)
+        return self._guarded(record, lambda: self.launch_all_gather(output, input, async_op))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False,
+                       label: str = ""):
         """Sum `input` (the full tensor) over ranks; this rank receives its chunk in `output`."""
-        if self._done_locally("reduce_scatter", output, input, input, phase):
+        record = self._record("reduce_scatter", output, input, input, phase, label)
+        if record is None:
             return None
-        return self.launch_reduce_scatter(output, input, async_op)
+        return self._guarded(record, lambda: self.launch_reduce_scatter(output, input, async_op))
 
-    def _done_locally(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor,
-                      phase: str) -> bool:
-        """Check and record one collective whose full tensor is `full`; True when there is
+    def _record(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor, phase: str,
+                label: str) -> Optional[CommRecord]:
+        """Check and record one collective whose full tensor is `full`; None when there is
         nothing to send (one rank on the axis: the result is a copy, and the same volume
         is recorded either way)."""
         check_device(self.device, self.rank, op, output, input)
@@ -93,12 +111,24 @@ class Collectives:
         if full.numel() != chunk.numel() * self.size:
             raise ValueError(f"{op}: the full tensor has {full.numel()} elements and the chunk {chunk.numel()}; "
                              f"the full one must be the chunk x the {self.axis} axis size ({self.size})")
-        self.ledger.record(op, full.numel(), self.wire_nbytes(full), phase, self.axis)
+        record = self.ledger.record(op, full.numel(), self.wire_nbytes(full), phase, self.axis, label)
         if self.size > 1:
-            return False
+            return record
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
-        return True
+        return None
+
+    def _guarded(self, record: CommRecord, launch):
+        """Launch; a failure now or at the wait becomes a `CollectiveError` naming every rank."""
+        try:
+            work = launch()
+        except Exception as e:  # noqa: BLE001
+            if self.failures is None:
+                raise
+            self.failures.raise_for(record, e)
+        if work is None:
+            return None
+        return Works([work], record=record, failures=self.failures)
 
     def launch_all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
         raise NotImplementedError

@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, check_device, default_collectives
-from .ledger import CommLedger
+from .collectives import Collectives, Works, check_device, default_collectives
+from .failure import CollectiveError, FailureReport
+from .ledger import CommLedger, CommRecord
 from .topology import Topology, forget_meshes
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Comm:
         self.device = self.topology.device
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
         self.shard_rank, self.shard_size = self.topology.shard_rank, self.topology.shard_size
+        self.failures = FailureReport(self.rank, self.world_size, self.topology.name, self.topology.timeout_s)
         self._strategies: dict = {}
 
     def collectives(self, axis: str = "shard") -> Collectives:
@@ -44,7 +46,7 @@ class Comm:
             t = self.topology
             strategy = default_collectives(t.backend)
             self._strategies[axis] = strategy(t.group(axis), axis, t.size(axis), t.rank_on(axis), self.ledger,
-                                              self.device)
+                                              self.device, self.failures)
         return self._strategies[axis]
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
@@ -56,33 +58,85 @@ class Comm:
 
     # A single process needs no communication; these shortcuts keep world size 1 free of
     # a process group while recording the same volume (0 moved between ranks either way).
+    def _run(self, record: CommRecord, call, *args, **kwargs):
+        """Issue one torch.distributed call; a failure becomes a `CollectiveError` that names
+        every rank ([Note: no silent hang] in failure.py)."""
+        try:
+            work = call(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            self.failures.raise_for(record, e)
+        return Works([work], record=record, failures=self.failures) if work is not None else None
+
     def all_reduce(self, tensor: torch.Tensor, phase: str, op=dist.ReduceOp.SUM, async_op: bool = False,
-                   axis: str = "data"):
+                   axis: str = "data", label: str = ""):
         self._check("all_reduce", tensor)
-        self.ledger.record("all_reduce", tensor.numel(), tensor.numel() * tensor.element_size(), phase, axis)
+        record = self.ledger.record("all_reduce", tensor.numel(), tensor.numel() * tensor.element_size(), phase,
+                                    axis, label)
         if self.topology.size(axis) == 1:
             return None
-        return dist.all_reduce(tensor, op=op, group=self.topology.group(axis), async_op=async_op)
+        return self._run(record, dist.all_reduce, tensor, op=op, group=self.topology.group(axis), async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, phase: str, axis: str = "data") -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, phase: str, axis: str = "data", label: str = "") -> None:
         self._check("broadcast", tensor)
-        self.ledger.record("broadcast", tensor.numel(), tensor.numel() * tensor.element_size(), phase, axis)
+        record = self.ledger.record("broadcast", tensor.numel(), tensor.numel() * tensor.element_size(), phase,
+                                    axis, label)
         if self.topology.size(axis) > 1:
-            dist.broadcast(tensor, src=self._peer(axis, src), group=self.topology.group(axis))
+            self._run(record, dist.broadcast, tensor, src=self._peer(axis, src), group=self.topology.group(axis))
 
-    def all_gather_object(self, obj, phase: str = "control") -> list:
+    def all_gather_object(self, obj, phase: str = "control", label: str = "") -> list:
         """Every data-parallel rank's small Python object (agreement, checkpoint metadata)."""
-        self.ledger.record("all_gather_object", 0, 0, phase)
+        record = self.ledger.record("all_gather_object", 0, 0, phase, label=label)
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.topology.data_group)
+        self._run(record, dist.all_gather_object, out, obj, group=self.topology.data_group)
         return out
 
-    def barrier(self, phase: str = "control") -> None:
-        self.ledger.record("barrier", 0, 0, phase)
+    def barrier(self, phase: str = "control", label: str = "") -> None:
+        record = self.ledger.record("barrier", 0, 0, phase, label=label)
         if self.world_size > 1:
-            dist.barrier(group=self.topology.data_group)
+            self._run(record, dist.barrier, group=self.topology.data_group)
+
+    # [Note: step fingerprint]
+    # Ranks that issue different collectives usually fail at once (a timeout, mismatched
+    # sizes), but not always: equal-sized collectives pair up across different calls (an
+    # extra micro-batch's reduce-scatters against another rank's step all-gathers) and
+    # train silently wrong. The ledger keeps a CRC of every collective since the last step
+    # (op, elements, bytes, phase, axis); before the master weights change, the ranks
+    # all-reduce with MAX [nan/inf flag, crc, -crc]: one 24-byte collective per step, which
+    # also carries the non-finite check the step needs anyway. max(crc) != -max(-crc) means
+    # the sequences differ; only then are they gathered, to name the first difference.
+    def agree_on_step(self, nonfinite: Optional[torch.Tensor] = None) -> bool:
+        """Check the step fingerprint on every rank; returns whether any rank's `nonfinite`
+        flag (a 0/1 tensor) is set. Raises `CollectiveError` if the ranks' collectives differ."""
+        crc = float(self.ledger.fingerprint)
+        t = torch.tensor([0.0, crc, -crc], dtype=torch.float64, device=self.device)
+        if nonfinite is not None:
+            t[0] = nonfinite.to(device=self.device, dtype=torch.float64)
+        self.all_reduce(t, "control", op=dist.ReduceOp.MAX, label="step agreement")
+        flag, high, neg_low = t.tolist()
+        if high != -neg_low:
+            self._raise_divergence()
+        return flag > 0
+
+    def _raise_divergence(self) -> None:
+        mine = [(r.op, r.numel, r.nbytes, r.phase, r.axis, r.label) for r in self.ledger.current[:-1]]
+        everyone = self.all_gather_object(mine)
+        at = next((i for i in range(max(map(len, everyone)))
+                   if len({seq[i] if i < len(seq) else None for seq in everyone}) > 1), 0)
+
+        def shown(seq):
+            if at >= len(seq):
+                return f"nothing (it ran {len(seq)} collectives)"
+            op, numel, _, phase, axis, label = seq[at]
+            return f"{op}/{phase}{f' ({label})' if label else ''} of {numel:,} elements on the {axis} axis"
+        detail = "; ".join(f"rank {r}: {shown(seq)}" for r, seq in enumerate(everyone)
+                           if r == 0 or shown(seq) != shown(everyone[0]))
+        raise CollectiveError(
+            f"rank {self.rank}: the ranks ran different collectives in step {self.ledger.step}; the first that "
+            f"differs is number {at + 1}: {detail}. Every rank must run the same forward and backward passes "
+            f"(the same number of micro-batches, the same modules) between optimizer steps; the master weights "
+            f"were not updated")
 
     def max_scalar(self, value: float, phase: str = "control", axis: str = "data") -> float:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
@@ -95,12 +149,13 @@ class Comm:
         return t[0]
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the process group torchrun describes in the environment, or run alone.
 
     With no RANK/WORLD_SIZE in the environment this is a single process (world size 1) and
     no process group is created. The backend is NCCL when CUDA is available, gloo otherwise.
-    Returns (rank, world_size).
+    `timeout_s` bounds the default group's own collectives (5 minutes, not torch's 30);
+    zerodp's collectives use `Config.collective_timeout_s`. Returns (rank, world_size).
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

@@ -10,6 +10,7 @@ and `axis` is the mesh axis it ran on ([Note: mesh axes] in topology.py).
 """
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class CommRecord:
     phase: str
     step: int
     axis: str = "data"
+    label: str = ""  # the unit or bucket it moves, for error messages
 
     @property
     def volume_numel(self) -> int:
@@ -45,17 +47,22 @@ class CommLedger:
     current: list = field(default_factory=list)
     last_step: list = field(default_factory=list)
     totals: Counter = field(default_factory=Counter)
+    fingerprint: int = 0  # of the current step's collectives: [Note: step fingerprint] in comm.py
 
-    def record(self, op: str, numel: int, nbytes: int, phase: str, axis: str = "data") -> None:
+    def record(self, op: str, numel: int, nbytes: int, phase: str, axis: str = "data",
+               label: str = "") -> CommRecord:
         if phase not in PHASES:
             raise ValueError(f"comm phase {phase!r} is unknown: use one of {PHASES}")
-        rec = CommRecord(op, int(numel), int(nbytes), phase, self.step, axis)
+        rec = CommRecord(op, int(numel), int(nbytes), phase, self.step, axis, label)
         self.current.append(rec)
         self.totals[(op, phase)] += rec.volume_numel
+        self.fingerprint = zlib.crc32(f"{op}:{rec.numel}:{rec.nbytes}:{phase}:{axis}".encode(), self.fingerprint)
+        return rec
 
     def end_step(self) -> None:
         self.last_step, self.current = self.current, []
         self.step += 1
+        self.fingerprint = 0
 
     @staticmethod
     def volume(records, phases=("forward", "backward", "step")) -> int:

@@ -7,11 +7,13 @@ sharding, FSDP2's HSDP, ZeRO++'s hpZ, all shard within a node and replicate acro
 Every flat layout is cut into ``shard`` pieces; gradients are averaged over all of the
 ``data`` ranks (both axes). Collectives name the axis they run on, and the comm ledger
 records bytes by axis, so intra-node and inter-node traffic stay separable. Today the
-``replicate`` axis has size 1: every rank shards over all ranks.
+``replicate`` axis has size 1: every rank shards over all ranks, and the DeviceMesh is the
+1-D ("shard",) one over the process group (an axis of one rank needs no process group).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -25,9 +27,9 @@ __all__ = ["AXES", "Topology"]
 # "data" is the whole data-parallel group: both mesh axes together.
 AXES = ("shard", "replicate", "data")
 
-# Meshes already built, by (process group name, replicate size), with the group they were
-# built over: initialize may run many times in one process, and each mesh owns process
-# groups that live until the process group is destroyed.
+# Meshes and zerodp's own process groups already built, by what they were built from, with
+# the group they were built over: initialize may run many times in one process, and each
+# owns process groups that live until the process group is destroyed.
 _MESHES: dict = {}
 
 
@@ -46,6 +48,12 @@ class Topology:
     shard_group: Optional[dist.ProcessGroup]
     replicate_group: Optional[dist.ProcessGroup]
     backend: Optional[str]
+    timeout_s: Optional[float] = None  # of zerodp's own groups: [Note: no silent hang] in failure.py
+
+    @property
+    def name(self) -> str:
+        """The same on every rank of the mesh (its data group's name)."""
+        return self.data_group.group_name if self.data_group is not None else "world"
 
     @property
     def world_size(self) -> int:
@@ -68,9 +76,11 @@ class Topology:
 
     @classmethod
     def build(cls, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
-              replicate_size: int = 1) -> "Topology":
+              replicate_size: int = 1, timeout_s: Optional[float] = None) -> "Topology":
         """The mesh over `group` (default: every process torchrun started), `replicate_size`
-        rows of shard groups. Without a process group (one process) every axis has size 1."""
+        rows of shard groups. With `timeout_s`, on process groups of zerodp's own that give
+        up waiting for a peer after that long. Without a process group (one process) every
+        axis has size 1."""
         distributed = dist.is_available() and dist.is_initialized()
         backend = dist.get_backend(group) if distributed else None
         if device is None:
@@ -85,11 +95,17 @@ class Topology:
         if world % replicate_size:
             raise ConfigError(f"Config.replicate_size={replicate_size} does not divide the {world} data-parallel "
                               f"ranks: the mesh is replicate x shard, so use a divisor of {world}")
-        mesh = _mesh(group if group is not None else dist.group.WORLD, device.type, replicate_size)
+        base = group if group is not None else dist.group.WORLD
+        if timeout_s is not None:
+            base = _own_group(base, timeout_s)
+        mesh = _mesh(base, device.type, replicate_size)
         shard_size = world // replicate_size
+        if replicate_size == 1:  # a 1-D mesh: an axis of one rank needs no process group
+            return cls(mesh, device, shard_size, mesh.get_local_rank("shard"), 1, 0, base, mesh.get_group("shard"),
+                       None, backend, timeout_s)
         return cls(mesh, device, shard_size, mesh.get_local_rank("shard"), replicate_size,
-                   mesh.get_local_rank("replicate"), group, mesh.get_group("shard"), mesh.get_group("replicate"),
-                   backend)
+                   mesh.get_local_rank("replicate"), base, mesh.get_group("shard"), mesh.get_group("replicate"),
+                   backend, timeout_s)
 
 
 def _axis(axis: str) -> str:
@@ -98,23 +114,40 @@ def _axis(axis: str) -> str:
     return axis
 
 
-def _mesh(group: dist.ProcessGroup, device_type: str, replicate_size: int) -> DeviceMesh:
-    """A (replicate, shard) DeviceMesh over `group`'s ranks, built once per group and size.
-    Only the groups this rank belongs to are created, each by its own members
-    (`use_local_synchronization`), so no rank waits on groups it is not in."""
-    key = (group.group_name, replicate_size)
+def _own_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """A process group over `group`'s ranks with zerodp's timeout, built once per group and
+    timeout; created by its members alone (`use_local_synchronization`)."""
+    key = ("own", group.group_name, float(timeout_s))
     built = _MESHES.get(key)
     if built is not None and built[0] is group:
         return built[1]
+    ranks = dist.get_process_group_ranks(group)
+    # Over every process all of them call new_group anyway; over a subgroup only its members do.
+    own = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s),
+                         use_local_synchronization=len(ranks) != dist.get_world_size())
+    _MESHES[key] = (group, own)
+    return own
+
+
+def _mesh(group: dist.ProcessGroup, device_type: str, replicate_size: int) -> DeviceMesh:
+    """A (replicate, shard) DeviceMesh over `group`'s ranks, built once per group and size;
+    with one replicate row, the 1-D mesh ("shard",) over `group` itself (no new group). Only
+    the groups this rank belongs to are created, each by its own members
+    (`use_local_synchronization`), so no rank waits on groups it is not in."""
+    key = (group.group_name, replicate_size, device_type)
+    built = _MESHES.get(key)
+    if built is not None and built[0] is group:
+        return built[1]
+    if replicate_size == 1:
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
+        _MESHES[key] = (group, mesh)
+        return mesh
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
     shard_size = len(ranks) // replicate_size
     grid = torch.tensor(ranks, dtype=torch.int).view(replicate_size, shard_size)
     row, col = divmod(ranks.index(me), shard_size)
-    if replicate_size == 1:
-        shard_group = group  # the whole group: reuse it rather than open a second one
-    else:
-        shard_group = dist.new_group(grid[row].tolist(), use_local_synchronization=True)
+    shard_group = dist.new_group(grid[row].tolist(), use_local_synchronization=True)
     replicate_group = dist.new_group(grid[:, col].tolist(), use_local_synchronization=True)
     mesh = DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=grid,
                                  mesh_dim_names=("replicate", "shard"))

@@ -28,7 +28,7 @@ from ..config import Config
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
-from .clipping import global_grad_norm, grads_nonfinite
+from .clipping import global_grad_norm, local_nonfinite
 from .master import MasterPlacement, MasterShard, ShardStorage, runs_of_bytes
 from .precision import LossScaler
 
@@ -141,8 +141,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inv_scale = 1.0 / self.scaler.scale
         for shard in self._all_shards():
             shard.attach_grads(inv_scale)
-        if self.config.uses_loss_scaling:
-            self._found_inf = self._grads_nonfinite()
         self._grads_prepared = True
 
     @torch.no_grad()
@@ -175,7 +173,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._run_step_hooks(post=True)
             return None
         self._prepare_grads()
-        nonfinite = self._nonfinite_without_scaler()
+        nonfinite = self._agree_on_step()
         if self._found_inf:
             log.warning("rank %d: inf/nan gradient, skipping step %d (loss scale %g -> %g)", self.comm.rank,
                         self.step_count, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
@@ -214,20 +212,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         every gradient None and change nothing; so does this one (no step is counted)."""
         return self._zeroed and not self.grad_sync.grads_ready and self.grad_sync.micro_step == 0
 
-    def _grads_nonfinite(self) -> bool:
-        """Whether the global (unscaled) gradient holds a nan/inf, on every rank alike: from
-        the norm clip_grad_norm_ already reduced, else one scalar per rank (clipping.py)."""
-        if self._norm_this_step is not None:
-            return not math.isfinite(float(self._norm_this_step))
-        grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
-        return grads_nonfinite(grads, self.comm, self._owns_all())
-
-    def _nonfinite_without_scaler(self) -> bool:
-        """fp32/bf16: whether to skip this step for a nan/inf gradient, per
-        Config.nonfinite_grads (fp16's loss scaler has its own verdict, `_found_inf`).
-        Raises for "raise", before the master weights are touched."""
+    def _agree_on_step(self) -> bool:
+        """One tiny collective before the master weights change: the ranks agree that they ran
+        the same collectives since the last step ([Note: step fingerprint] in
+        distributed/comm.py) and whether any gradient holds a nan/inf. fp16's loss scaler
+        takes that verdict as `_found_inf`; fp32/bf16 follow Config.nonfinite_grads
+        ("raise" raises here; returns whether to skip the step)."""
         policy = self.config.nonfinite_grads
-        if self.config.uses_loss_scaling or policy == "proceed" or not self._grads_nonfinite():
+        flag = None
+        if self.config.uses_loss_scaling or policy != "proceed":
+            if self._norm_this_step is not None:  # clip_grad_norm_ already reduced it: global
+                flag = torch.tensor(0.0 if math.isfinite(float(self._norm_this_step)) else 1.0)
+            else:
+                grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
+                flag = local_nonfinite(grads, self.comm.device)
+        nonfinite = self.comm.agree_on_step(flag)
+        if self.config.uses_loss_scaling:
+            self._found_inf = nonfinite
+            return False
+        if not nonfinite:
             return False
         if policy == "raise":
             self._grads_prepared = False

@@ -158,7 +158,8 @@ class GradReducer(BackwardSchedule):
             b.accumulate = self.micro_step > 0
             out = (b.buffer[local: local + chunk.numel] if b.accumulate
                    else g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel])
-            b.work = g.collectives.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap)
+            b.work = g.collectives.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap,
+                                                  label=f"bucket {b.seg_index}")
         else:
             grads = g.grad_flat[seg.start: seg.end]
             if g.reduce_dtype != grads.dtype:
@@ -170,10 +171,10 @@ class GradReducer(BackwardSchedule):
             # Divide before summing, as DDP does, so fp16/bf16 sums stay in range.
             target.div_(n)
             if g.stage == 0:
-                b.work = comm.all_reduce(target, "backward", async_op=self.overlap)
+                b.work = comm.all_reduce(target, "backward", async_op=self.overlap, label=f"bucket {b.seg_index}")
             else:
                 b.work = g.collectives.reduce_scatter(target[local: local + chunk.numel], target, "backward",
-                                                      async_op=self.overlap)
+                                                      async_op=self.overlap, label=f"bucket {b.seg_index}")
         if not self.overlap:
             self._finish(b)
             return

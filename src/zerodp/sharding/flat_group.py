@@ -75,7 +75,8 @@ class FlatParamGroup:
         for i, seg in enumerate(self.layout.segments):
             chunk = self.layout.chunk(i, self.rank)
             self.collectives.all_gather(self.flat[seg.start: seg.end],
-                                        self.flat[chunk.flat_start: chunk.flat_start + chunk.numel], phase)
+                                        self.flat[chunk.flat_start: chunk.flat_start + chunk.numel], phase,
+                                        label=f"bucket {i}")
 
     def zero_grad(self) -> None:
         if self.grad_flat is not None:

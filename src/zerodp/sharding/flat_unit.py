@@ -60,9 +60,9 @@ class FlatUnit:
             torch.device("cpu"))
         full_fp32 = self.layout.flatten(params, torch.float32, device)
         if sync_from_rank0 and not self.empty:  # every rank starts from rank 0's values, as DDP does
-            comm.broadcast(full_fp32, 0, "init")
-        # Born sharded, each rank initialised the unit from its own generator: a fingerprint
-        # of the full values lets `shard_model` check that all ranks drew the same ones.
+            comm.broadcast(full_fp32, 0, "init", label=f"unit {self.name}")
+        # Born sharded, each rank initialised the unit from its own generator: a fingerprint of
+        # the full values lets `check_same_initialisation` (meta_init.py) compare the ranks.
         self.init_fingerprint = None if sync_from_rank0 else (
             float(full_fp32.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(full_fp32, dtype=torch.float64)))
         own = self.own_chunk(full_fp32)
@@ -94,7 +94,8 @@ class FlatUnit:
             self.state = UnitState.GATHERED
             return
         self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.shard.device)
-        self.work = self.collectives.all_gather(self.full, self.shard, phase, async_op=async_op)
+        self.work = self.collectives.all_gather(self.full, self.shard, phase, async_op=async_op,
+                                                label=f"unit {self.name}")
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -167,7 +168,8 @@ class FlatUnit:
             self._new_grad_full()
         self.grad_full.div_(self.data_size)  # average, dividing first as DDP does
         out = self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
-        return self.collectives.reduce_scatter(out, self.grad_full, "backward", async_op=async_op)
+        return self.collectives.reduce_scatter(out, self.grad_full, "backward", async_op=async_op,
+                                               label=f"unit {self.name}")
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""

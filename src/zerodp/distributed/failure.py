@@ -1,0 +1,120 @@
+"""What every rank says when a collective fails: which ranks did not arrive, and where each was.
+
+[Note: no silent hang]
+zerodp's collectives run on process groups of its own whose timeout is
+`Config.collective_timeout_s` (topology.py), far below torch's 30-minute default. Each
+collective is recorded in the ledger before it is issued (op, elements, phase, step and a
+label: the unit or bucket), which costs nothing beyond the record the ledger keeps anyway.
+Only when a collective raises (a timeout, or a peer that is gone: gloo's "Connection
+closed by peer") does a rank publish its failing record under its rank in the process
+group's store and read what the others published for a few seconds. Ranks that were in
+the same collective arrived; a rank that was in another one, or published nothing (it
+exited, or it is computing outside any collective), is named with what it reported. The
+error raised, `CollectiveError`, says all of it on every rank that reaches a collective.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from .ledger import CommRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CollectiveError", "FailureReport"]
+
+# How long a failing rank waits for the others' reports.
+REPORT_WAIT_S = 5.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective timed out or lost a peer; the message names the ranks and where each was."""
+
+
+def describe(record: Optional[dict]) -> str:
+    if record is None:
+        return "nothing"
+    where = f" ({record['label']})" if record.get("label") else ""
+    size = f" of {record['numel']:,} elements" if record["numel"] else ""
+    return f"{record['op']}/{record['phase']}{where}{size}, step {record['step']}"
+
+
+def _default_store():
+    """The store every rank of the default process group shares, or None. torch exposes it
+    only through a private accessor; without it the error names this rank's collective alone."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+class FailureReport:
+    """Turns an exception from a collective into a `CollectiveError` naming every rank."""
+
+    def __init__(self, rank: int, world_size: int, namespace: str, timeout_s: Optional[float]):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.namespace = namespace  # one per mesh: ranks of another group do not mix in
+        self.reported: Optional[CollectiveError] = None
+
+    def raise_for(self, record: CommRecord, error: BaseException) -> None:
+        """Publish this rank's failing collective, gather the others' and raise."""
+        if isinstance(error, CollectiveError):
+            raise error
+        if self.reported is not None:  # the group is broken: every later collective fails alike
+            raise CollectiveError(str(self.reported)) from error
+        mine = {"op": record.op, "numel": record.numel, "phase": record.phase, "step": record.step,
+                "label": record.label}
+        others = self._exchange(mine)
+        cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        timeout = f" within {self.timeout_s:g} s (Config.collective_timeout_s)" if self.timeout_s else ""
+        lines = [f"rank {self.rank}: collective {describe(mine)} did not complete{timeout}: {cause}."]
+        missing = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            theirs = others.get(r)
+            if theirs == mine:
+                continue
+            missing.append(r)
+            lines.append(f"rank {r} " + (f"was in {describe(theirs)}." if theirs is not None else
+                                         "reported nothing: it exited, or is computing outside any collective "
+                                         "(an exception of its own, a hang, another code path)."))
+        if missing:
+            lines.insert(1, f"ranks {missing} did not arrive.")
+        else:
+            lines.insert(1, "every rank reported this collective: the network or a peer process failed.")
+        if any(r.get("phase") == "checkpoint" for r in [mine, *others.values()] if r):
+            lines.append("zerodp.save and zerodp.load must be called on every rank (each rank writes and reads "
+                         "its own shard), not under `if rank == 0`.")
+        lines.append("Every rank must run the same forward, backward and step calls in the same order; "
+                     "an error on one rank fails the others at their next collective.")
+        self.reported = CollectiveError(" ".join(lines))
+        log.error("%s", self.reported)
+        raise self.reported from error
+
+    def _exchange(self, mine: dict) -> dict:
+        store = _default_store()
+        if store is None:
+            return {}
+        others: dict = {}
+        try:
+            prefixed = dist.PrefixStore(f"zerodp/failure/{self.namespace}/", store)
+            prefixed.set(str(self.rank), json.dumps(mine))
+            deadline = time.monotonic() + REPORT_WAIT_S
+            pending = [r for r in range(self.world_size) if r != self.rank]
+            while pending and time.monotonic() < deadline:
+                for r in list(pending):
+                    if prefixed.check([str(r)]):
+                        others[r] = json.loads(prefixed.get(str(r)))
+                        pending.remove(r)
+                if pending:
+                    time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the store may be gone with the peer; report what we have
+            log.warning("rank %d: could not exchange failure reports through the store (%s)", self.rank, e)
+        return others
+

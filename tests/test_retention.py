@@ -1,0 +1,73 @@
+"""Leftovers of killed saves are removed by the next save; keep_last keeps the newest."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zerodp
+from zerodp.checkpoint import CheckpointError
+from zerodp.checkpoint.retention import OWNER
+
+
+def tiny():
+    torch.manual_seed(0)
+    return zerodp.initialize(nn.Linear(4, 4), torch.optim.SGD, zerodp.Config(stage=2), lr=0.1)
+
+
+def leftover(root, name, owner=None, age_s=0.0):
+    path = root / name
+    path.mkdir()
+    (path / "rank0.safetensors").write_bytes(b"half")
+    if owner is not None:
+        (path / OWNER).write_text(json.dumps(owner))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
+    model, opt = tiny()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    left = {
+        "a.tmp-dead": leftover(tmp_path, "a.tmp-dead", {"host": host, "pid": dead.pid, "started": time.time()}),
+        "a.tmp-live": leftover(tmp_path, "a.tmp-live", {"host": host, "pid": os.getpid(), "started": time.time()}),
+        "a.tmp-foreign-old": leftover(tmp_path, "a.tmp-foreign-old",
+                                      {"host": "elsewhere", "pid": 1, "started": time.time() - 2 * 86400}),
+        "a.tmp-foreign-new": leftover(tmp_path, "a.tmp-foreign-new",
+                                      {"host": "elsewhere", "pid": 1, "started": time.time()}),
+        "a.tmp-unowned-old": leftover(tmp_path, "a.tmp-unowned-old", age_s=2 * 86400),
+        "a.tmp-unowned-new": leftover(tmp_path, "a.tmp-unowned-new"),
+        "b.old-stale": leftover(tmp_path, "b.old-stale", age_s=120),
+        "b.old-committing": leftover(tmp_path, "b.old-committing"),
+    }
+    (tmp_path / "notes").mkdir()
+    zerodp.save(tmp_path / "step_1", model, opt)
+    kept = sorted(os.listdir(tmp_path))
+    assert kept == sorted(["step_1", "notes", "a.tmp-live", "a.tmp-foreign-new", "a.tmp-unowned-new",
+                           "b.old-committing"]), kept
+    assert zerodp.latest(tmp_path).endswith("step_1")
+    assert left  # every case above was created
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
+    model, opt = tiny()
+    (tmp_path / "notes").mkdir()
+    for step in range(1, 5):
+        x = torch.randn(2, 4)
+        opt.backward(model(x).sum())
+        opt.step()
+        opt.zero_grad()
+        zerodp.save(tmp_path / f"step_{step}", model, opt, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step_3", "step_4"]
+    assert zerodp.latest(tmp_path).endswith("step_4")
+    with pytest.raises(CheckpointError, match="keep_last=0: use a positive integer"):
+        zerodp.save(tmp_path / "step_5", model, opt, keep_last=0)
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step_3", "step_4"]
