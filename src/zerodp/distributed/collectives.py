@@ -88,18 +88,20 @@ class Collectives:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False,
                    label: str = ""):
         """Concatenate every rank's `input` chunk into `output` (the full tensor)."""
-        record = self._record("all_gather", output, input, output, phase, label)
-        if record is None:
-            return None
-        return self._guarded(record, lambda: self.launch_all_gather(output, input, async_op))
+        return self._issue("all_gather", output, input, output, phase, label, self.launch_all_gather, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, phase: str, async_op: bool = False,
                        label: str = ""):
         """Sum `input` (the full tensor) over ranks; this rank receives its chunk in `output`."""
-        record = self._record("reduce_scatter", output, input, input, phase, label)
+        return self._issue("reduce_scatter", output, input, input, phase, label, self.launch_reduce_scatter,
+                           async_op)
+
+    def _issue(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor, phase: str,
+               label: str, launch, async_op: bool):
+        record = self._record(op, output, input, full, phase, label)
         if record is None:
             return None
-        return self._guarded(record, lambda: self.launch_reduce_scatter(output, input, async_op))
+        return self._guarded(record, lambda: launch(output, input, async_op))
 
     def _record(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor, phase: str,
                 label: str) -> Optional[CommRecord]:
