@@ -113,7 +113,7 @@ def worker(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=("ddp", "zerodp3"), help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

@@ -79,23 +79,102 @@ def test_train_checkpoint_resume_and_export(tiny_run, tmp_path):
     GPT("tiny").load_state_dict(load_file(str(target)), strict=True)
 
 
-def test_train_restarts_after_a_worker_dies_and_matches_the_uninterrupted_run(tmp_path):
+STAGE2_RUN = ["train", "--model", "tiny", "--nproc", 2, "--stage", 2, "--steps", 12, "--lr", "1e-2",
+              "--eval-every", 12, "--sample-tokens", 0]
+
+
+@pytest.fixture(scope="module")
+def plain_stage2(tmp_path_factory):
+    """The uninterrupted stage-2 run the restarted ones are compared with."""
+    out = tmp_path_factory.mktemp("plain2")
+    proc = zerodp_cmd(*STAGE2_RUN, "--ckpt-every", 4, "--out", out, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads((out / "summary.json").read_text())["losses"]
+
+
+def test_train_restarts_after_a_worker_dies_and_matches_the_uninterrupted_run(plain_stage2, tmp_path):
     """torchrun's --max-restarts, passed through: rank 1 exits abruptly at step 6; the workers
     restart, resume from the newest complete checkpoint (step 4) and finish with the same
     losses, bit for bit, as a run that never failed. keep_last leaves the 2 newest."""
-    common = ["train", "--model", "tiny", "--nproc", 2, "--stage", 2, "--steps", 12, "--lr", "1e-2",
-              "--eval-every", 12, "--sample-tokens", 0, "--ckpt-every", 4, "--keep-last", 2]
-    plain = zerodp_cmd(*common, "--out", tmp_path / "plain", timeout=150)
-    assert plain.returncode == 0, plain.stderr[-5000:]
-    failed = zerodp_cmd(*common, "--out", tmp_path / "failed", "--max-restarts", 1, "--simulate-failure-at", 6,
-                        timeout=200)
+    failed = zerodp_cmd(*STAGE2_RUN, "--ckpt-every", 4, "--keep-last", 2, "--out", tmp_path / "failed",
+                        "--max-restarts", 1, "--simulate-failure-at", 6, timeout=200)
     assert failed.returncode == 0, failed.stderr[-5000:]
     assert "--simulate-failure-at 6: exiting abruptly" in failed.stderr
     assert "resumed from" in failed.stdout and "at step 4" in failed.stdout
-    a = json.loads((tmp_path / "plain" / "summary.json").read_text())["losses"]
     b = json.loads((tmp_path / "failed" / "summary.json").read_text())["losses"]
-    assert [s for s, _ in b] == list(range(12)) and a == b
+    assert [s for s, _ in b] == list(range(12)) and plain_stage2 == b
     assert sorted(os.listdir(tmp_path / "failed" / "ckpt")) == ["step_000008", "step_000012"]
+
+
+def torchrun_job(args: list, out, max_restarts: int) -> list:
+    """`zerodp train ARGS` as the torchrun command line the CLI would run."""
+    from zerodp.demo.train import add_arguments, to_argv
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command")
+    add_arguments(parser)
+    parsed = parser.parse_args([str(a) for a in args] + ["--out", str(out), "--resume"])
+    template = argparse.ArgumentParser(add_help=False)
+    add_arguments(template)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", str(max_restarts), "-m", "zerodp.demo.train", *to_argv(parsed, template)]
+
+
+@pytest.mark.parametrize("stage, plan", [(2, ["step", "save", "step", "save", "step"]),
+                                         (3, ["save", "step", "save", "step", "save"])], ids=["stage2", "stage3"])
+def test_sigkill_mid_step_and_mid_save_resumes_bit_for_bit(stage, plan, plain_stage2, tiny_run, tmp_path):
+    """A random rank SIGKILLed five times per run, seeded: while a checkpoint is being written
+    and at random moments of training. torchrun restarts the workers, each attempt resumes
+    from the newest complete checkpoint, and the losses equal the uninterrupted run's bit for
+    bit; no unfinished save is left behind."""
+    from faults import run_with_kills
+
+    if stage == 2:
+        args, reference = STAGE2_RUN, plain_stage2
+    else:  # the same run as tiny_run's, which is the reference
+        args = ["train", "--model", "tiny", "--nproc", 2, "--stage", 3, "--steps", 24, "--lr", "1e-2",
+                "--eval-every", 8, "--sample-tokens", 0]
+        reference = json.loads((tiny_run[0] / "summary.json").read_text())["losses"]
+    out = tmp_path / "run"
+    cmd = torchrun_job(args + ["--ckpt-every", 1], out, max_restarts=len(plan))
+    proc, kills = run_with_kills(cmd, ENV, str(out / "ckpt"), plan, seed=stage, nproc=2, timeout=240)
+    assert proc.returncode == 0, (kills, proc.stderr[-5000:])
+    assert [k["kind"] for k in kills] == plan
+    assert sum(k["was_saving"] for k in kills) >= plan.count("save"), kills
+    got = json.loads((out / "summary.json").read_text())["losses"]
+    assert got == reference, (kills, got, reference)
+    assert not [n for n in os.listdir(out / "ckpt") if ".tmp-" in n or ".old-" in n]
+
+
+def test_two_torchrun_nodes_train_stage_3_and_resume_on_one_node(tmp_path):
+    """Two torchrun launches, --nnodes 2 with one process each, static rendezvous on
+    127.0.0.1: stage 3 trains to completion across the two "nodes"; its checkpoint then
+    resumes on one node at world size 1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = ["-m", "zerodp.demo.train", "--model", "tiny", "--stage", "3", "--steps", "8", "--lr", "1e-2",
+           "--ckpt-every", "4", "--eval-every", "8", "--sample-tokens", "0", "--out", str(tmp_path / "two")]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+             for r in (0, 1)]
+    outs = [n.communicate(timeout=150) for n in nodes]
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-4000:]
+    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["stage"] == 3 and len(s["losses"]) == 8
+    assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["step_000004", "step_000008"]
+    proc = zerodp_cmd("train", "--model", "tiny", "--nproc", 1, "--stage", 3, "--steps", 10, "--lr", "1e-2",
+                      "--eval-every", 10, "--sample-tokens", 0, "--ckpt-dir", tmp_path / "two" / "ckpt", "--resume",
+                      "--out", tmp_path / "one", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "at step 8" in proc.stdout
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["world_size"] == 1 and [step for step, _ in one["losses"]] == list(range(10))
+    assert one["losses"][:8] == s["losses"]  # the history came with the checkpoint
 
 
 def test_max_restarts_needs_checkpoints(capsys):

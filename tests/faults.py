@@ -1,0 +1,83 @@
+"""SIGKILL a training worker under torchrun at chosen moments: mid-step or mid-save."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import zerodp
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """The training workers torchrun's agent (`agent_pid`) runs: its children running the demo."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == agent_pid and b"zerodp.demo.train" in cmd:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def _saving(ckpt_dir: str) -> bool:
+    try:
+        return any(".tmp-" in name for name in os.listdir(ckpt_dir))
+    except FileNotFoundError:
+        return False
+
+
+def _latest_step(ckpt_dir: str) -> int:
+    path = zerodp.latest(ckpt_dir)
+    return -1 if path is None else int(os.path.basename(path).split("_")[-1])
+
+
+def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: int, nproc: int,
+                   timeout: float) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run `cmd` (a torchrun launch) and SIGKILL one of its workers once per entry of `plan`:
+    "save" while a checkpoint is being written (a `.tmp-` directory exists), "step" at a
+    random moment of training outside a save. Before each kill the (restarted) workers must
+    have saved a checkpoint newer than the one the previous kill left, so every kill hits a
+    resumed run. Returns the finished process and what was killed when."""
+    rng = random.Random(seed)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    kills, after = [], -1
+    try:
+        for kind in plan:
+            while True:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"the run ended or timed out before kill {len(kills) + 1} ({kind}); "
+                                         f"kills so far: {kills}")
+                pids = worker_pids(proc.pid)
+                if len(pids) == nproc and _latest_step(ckpt_dir) > after:
+                    break
+                time.sleep(0.005)
+            if kind == "save":
+                while not _saving(ckpt_dir):
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise AssertionError(f"no save seen for kill {len(kills) + 1}; kills so far: {kills}")
+                    time.sleep(0.0005)
+            else:
+                time.sleep(rng.uniform(0.0, 0.2))
+                while _saving(ckpt_dir):
+                    time.sleep(0.0005)
+            victim = rng.choice(worker_pids(proc.pid) or pids)
+            step = _latest_step(ckpt_dir)
+            os.kill(victim, signal.SIGKILL)
+            kills.append({"kind": kind, "latest_before": step, "was_saving": _saving(ckpt_dir)})
+            after = step
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), kills
