@@ -1,6 +1,7 @@
 """SIGKILL a training worker under torchrun at chosen moments: mid-step or mid-save."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -77,7 +78,10 @@ def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: i
             after = step
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # the workers too: they hold the pipes, and would outlive the agent
+            for pid in worker_pids(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.kill()
-            proc.communicate()
+            proc.communicate(timeout=30)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), kills

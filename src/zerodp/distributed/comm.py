@@ -168,7 +168,18 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     import datetime
 
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store for every restart of the workers, so a restarted
+        # worker can read its peers' addresses from the attempt before (measured: gloo then
+        # fails "Connection refused" connecting to a dead rank). Each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"zerodp/attempt{attempt}/", agent_store),
+                                rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     log.info("rank %d/%d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
     return dist.get_rank(), dist.get_world_size()
 
