@@ -1,7 +1,6 @@
 """Leftovers of killed saves are removed by the next save; keep_last keeps the newest."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,11 +30,20 @@ def leftover(root, name, owner=None, age_s=0.0):
     return path
 
 
-def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
+def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path, monkeypatch):
+    from zerodp.checkpoint import retention
+
     model, opt = tiny()
+    # A moved-aside directory's age is its ctime (a rename sets it; utime cannot): make one,
+    # and let it grow older than a shortened limit.
+    monkeypatch.setattr(retention, "OLD_STALE_S", 1.0)
+    leftover(tmp_path, "b.old-stale")
+    time.sleep(1.2)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = socket.gethostname()
+    from zerodp.checkpoint.retention import owner_record
+
+    host = owner_record()["host"]
     left = {
         "a.tmp-dead": leftover(tmp_path, "a.tmp-dead", {"host": host, "pid": dead.pid, "started": time.time()}),
         "a.tmp-live": leftover(tmp_path, "a.tmp-live", {"host": host, "pid": os.getpid(), "started": time.time()}),
@@ -45,7 +53,6 @@ def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path)
                                       {"host": "elsewhere", "pid": 1, "started": time.time()}),
         "a.tmp-unowned-old": leftover(tmp_path, "a.tmp-unowned-old", age_s=2 * 86400),
         "a.tmp-unowned-new": leftover(tmp_path, "a.tmp-unowned-new"),
-        "b.old-stale": leftover(tmp_path, "b.old-stale", age_s=120),
         "b.old-committing": leftover(tmp_path, "b.old-committing"),
     }
     (tmp_path / "notes").mkdir()

@@ -5,9 +5,9 @@
 A save killed outright (SIGKILL, a node lost) leaves its `{path}.tmp-{id}` directory; one
 killed in the middle of replacing a checkpoint may leave `{path}.old-{id}`. Neither is ever
 loaded (`latest` skips both), but they hold the disk. Each temporary directory names its
-writer (OWNER: host, pid, start time); after every successful save rank 0 removes the
-siblings whose writer is gone: on this host, a pid that no longer runs; elsewhere (a
-shared filesystem), one older than a day. A save in progress, by this job or another, is
+writer (OWNER: host with its boot and pid namespace, pid, start time); after every
+successful save rank 0 removes the siblings whose writer is gone: on this host, a pid that
+no longer runs; elsewhere (a shared filesystem, another container), one older than a day. A save in progress, by this job or another, is
 never touched. `.old-` directories live for the milliseconds of a commit; one older than
 a minute is a leftover.
 """
@@ -32,8 +32,20 @@ FOREIGN_STALE_S = 24 * 3600.0
 OLD_STALE_S = 60.0
 
 
+def _machine() -> str:
+    """This host as pids are meaningful on it: the hostname, the boot and the pid namespace
+    (two containers may share a hostname, not their pids)."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.endswith("/pid") else open(source).read().strip())
+        except OSError:
+            parts.append("?")
+    return "|".join(parts)
+
+
 def owner_record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    return {"host": _machine(), "pid": os.getpid(), "started": time.time()}
 
 
 def _alive(pid: int) -> bool:
@@ -47,15 +59,16 @@ def _alive(pid: int) -> bool:
 
 
 def _is_stale(entry: os.DirEntry, now: float) -> bool:
-    age = now - entry.stat(follow_symlinks=False).st_mtime
-    if OLD_TAG in entry.name:
-        return age > OLD_STALE_S
+    st = entry.stat(follow_symlinks=False)
+    if OLD_TAG in entry.name:  # a rename sets ctime, not mtime: the time it was moved aside
+        return now - st.st_ctime > OLD_STALE_S
+    age = now - st.st_mtime
     try:
         with open(os.path.join(entry.path, OWNER)) as f:
             owner = json.load(f)
     except (OSError, ValueError):
         return age > FOREIGN_STALE_S  # no owner recorded (yet, or by an older zerodp)
-    if owner.get("host") == socket.gethostname():
+    if owner.get("host") == _machine():
         return not _alive(int(owner.get("pid", -1)))
     return now - float(owner.get("started", 0.0)) > FOREIGN_STALE_S
 
@@ -82,8 +95,9 @@ def remove_stale(directory: str) -> list[str]:
 
 
 def prune(directory: str, keep_last: int, keep: str) -> list[str]:
-    """Remove all but the `keep_last` newest complete checkpoints directly under
-    `directory` (by recorded step, then completion time), never `keep`; returns their names."""
+    """Remove all but the `keep_last` most recently completed checkpoints directly under
+    `directory`, never `keep`; returns their names. By completion time, not step: a run
+    started over in an old directory keeps its own newest, not the old run's."""
     found = []
     for entry in os.scandir(directory):
         if not entry.is_dir(follow_symlinks=False) or TMP_TAG in entry.name or OLD_TAG in entry.name:
@@ -94,7 +108,7 @@ def prune(directory: str, keep_last: int, keep: str) -> list[str]:
             done = os.path.getmtime(os.path.join(entry.path, COMPLETE))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a complete zerodp checkpoint: never ours to delete
-        found.append((step, done, entry.path))
+        found.append((done, step, entry.path))
     found.sort(reverse=True)
     removed = []
     for _, _, path in found[keep_last:]:

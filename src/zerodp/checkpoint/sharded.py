@@ -213,13 +213,14 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
         view = model_view(model)
         with Reader(path, files) as reader:
             loaded = _read_for_rank(path, meta, files, reader, view, model, optimizer)
-        local = {"ok": True}
+        # Every rank must read the same checkpoint (a `latest()` racing a save on a shared
+        # filesystem can differ per rank; the path itself may differ between mounts) into
+        # the same model: compared before anything changes.
+        described = {"checkpoint (sha256 of its metadata)": files[METADATA]["sha256"],
+                     **describe_trained(model, optimizer)}
+        local = {"ok": True, "described": described}
     except Exception as e:  # noqa: BLE001 - see [Note: validate, then write]
-        local = {"ok": False, "error": describe_error(e)}
-    # Every rank must read the same checkpoint (a `latest()` racing a save on a shared
-    # filesystem can differ per rank) into the same model: compared before anything changes.
-    which = (path, files[METADATA]["sha256"]) if local["ok"] else None
-    local["described"] = {"checkpoint (path, sha256 of its metadata)": which, **describe_trained(model, optimizer)}
+        local = {"ok": False, "error": describe_error(e), "described": {}}
     everyone = comm.all_gather_object(local, "checkpoint", label=f"load of {path}")
     raise_if_failed(everyone, f"load of {path}")
     differs = first_disagreement([r["described"] for r in everyone])

@@ -169,10 +169,13 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     import datetime
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and one_node:
         # torchrun's agent keeps one store for every restart of the workers, so a restarted
         # worker can read its peers' addresses from the attempt before (measured: gloo then
-        # fails "Connection refused" connecting to a dead rank). Each attempt gets keys of its own.
+        # fails "Connection refused" connecting to a dead rank). Each attempt gets keys of its
+        # own. Only on one node: there every worker shares the agent's restart count, while
+        # agents of several nodes count restarts each on their own.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                     is_master=False, timeout=timeout)

@@ -11,11 +11,15 @@ group's store and read what the others published for a few seconds. Ranks that w
 the same collective arrived; a rank that was in another one, or published nothing (it
 exited, or it is computing outside any collective), is named with what it reported. The
 error raised, `CollectiveError`, says all of it on every rank that reaches a collective.
+On NCCL, errors are asynchronous: `wait()` does not raise and torch's watchdog aborts the
+process after the timeout, so this report runs only with TORCH_NCCL_BLOCKING_WAIT=1 (not
+yet run on CUDA); the timeout itself holds either way.
 """
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from typing import Optional
 
@@ -29,6 +33,15 @@ __all__ = ["CollectiveError", "FailureReport"]
 
 # How long a failing rank waits for the others' reports.
 REPORT_WAIT_S = 5.0
+
+# Errors a collective call raises for its own arguments (a wrong tensor, an object that does
+# not pickle): passed on as they are, the process group is fine.
+LOCAL_ERRORS = (TypeError, ValueError, AttributeError, pickle.PickleError)
+
+# Reports of one mesh's failures, one namespace per Comm built over it: every rank builds its
+# Comms in the same order (initialize is collective), so the n-th is the n-th everywhere,
+# and a later initialize never reads an earlier failure's reports.
+_GENERATIONS: dict = {}
 
 
 class CollectiveError(RuntimeError):
@@ -58,11 +71,14 @@ class FailureReport:
 
     def __init__(self, rank: int, world_size: int, namespace: str, timeout_s: Optional[float]):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.namespace = namespace  # one per mesh: ranks of another group do not mix in
+        _GENERATIONS[namespace] = _GENERATIONS.get(namespace, 0) + 1
+        self.namespace = f"{namespace}/{_GENERATIONS[namespace]}"
         self.reported: Optional[CollectiveError] = None
 
     def raise_for(self, record: CommRecord, error: BaseException) -> None:
         """Publish this rank's failing collective, gather the others' and raise."""
+        if isinstance(error, LOCAL_ERRORS):  # a mistake in this rank's own call, not a lost peer
+            raise error
         if isinstance(error, CollectiveError):
             raise error
         if self.reported is not None:  # the group is broken: every later collective fails alike
@@ -105,15 +121,15 @@ class FailureReport:
         try:
             prefixed = dist.PrefixStore(f"zerodp/failure/{self.namespace}/", store)
             prefixed.set(str(self.rank), json.dumps(mine))
+            # One counter to poll, not every peer's key: N failing ranks make O(N) requests.
+            reported = prefixed.add("reported", 1)
             deadline = time.monotonic() + REPORT_WAIT_S
-            pending = [r for r in range(self.world_size) if r != self.rank]
-            while pending and time.monotonic() < deadline:
-                for r in list(pending):
-                    if prefixed.check([str(r)]):
-                        others[r] = json.loads(prefixed.get(str(r)))
-                        pending.remove(r)
-                if pending:
-                    time.sleep(0.05)
+            while reported < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.1)
+                reported = prefixed.add("reported", 0)
+            for r in range(self.world_size):
+                if r != self.rank and prefixed.check([str(r)]):
+                    others[r] = json.loads(prefixed.get(str(r)))
         except Exception as e:  # noqa: BLE001 - the store may be gone with the peer; report what we have
             log.warning("rank %d: could not exchange failure reports through the store (%s)", self.rank, e)
         return others
