@@ -29,11 +29,17 @@ def worker_pids(agent_pid: int) -> list[int]:
     return sorted(out)
 
 
-def _saving(ckpt_dir: str) -> bool:
+def _saving(ckpt_dir: str, left: set = frozenset()) -> bool:
+    """Whether a save is being written: a `.tmp-` directory other than those earlier kills left."""
     try:
-        return any(".tmp-" in name for name in os.listdir(ckpt_dir))
+        return any(".tmp-" in name and name not in left for name in os.listdir(ckpt_dir))
     except FileNotFoundError:
         return False
+
+
+def _over(deadline: float, proc, what: str, kills: list) -> None:
+    if time.monotonic() > deadline or proc.poll() is not None:
+        raise AssertionError(f"the run ended or timed out {what}; kills so far: {kills}")
 
 
 def _latest_step(ckpt_dir: str) -> int:
@@ -51,30 +57,30 @@ def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: i
     rng = random.Random(seed)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
-    kills, after = [], -1
+    kills, after, left = [], -1, set()
     try:
         for kind in plan:
+            what = f"before kill {len(kills) + 1} ({kind})"
             while True:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"the run ended or timed out before kill {len(kills) + 1} ({kind}); "
-                                         f"kills so far: {kills}")
+                _over(deadline, proc, what, kills)
                 pids = worker_pids(proc.pid)
                 if len(pids) == nproc and _latest_step(ckpt_dir) > after:
                     break
                 time.sleep(0.005)
             if kind == "save":
-                while not _saving(ckpt_dir):
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise AssertionError(f"no save seen for kill {len(kills) + 1}; kills so far: {kills}")
+                while not _saving(ckpt_dir, left):
+                    _over(deadline, proc, what, kills)
                     time.sleep(0.0005)
             else:
                 time.sleep(rng.uniform(0.0, 0.2))
-                while _saving(ckpt_dir):
+                while _saving(ckpt_dir, left):
+                    _over(deadline, proc, what, kills)
                     time.sleep(0.0005)
             victim = rng.choice(worker_pids(proc.pid) or pids)
             step = _latest_step(ckpt_dir)
             os.kill(victim, signal.SIGKILL)
-            kills.append({"kind": kind, "latest_before": step, "was_saving": _saving(ckpt_dir)})
+            kills.append({"kind": kind, "latest_before": step, "was_saving": _saving(ckpt_dir, left)})
+            left |= {n for n in os.listdir(ckpt_dir) if ".tmp-" in n}
             after = step
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:

@@ -34,10 +34,10 @@ def test_a_two_by_two_mesh_has_row_and_column_groups(results):
         assert g["by_axis"] == {"shard": 8, "replicate": 4, "data": 4}
 
 
-def test_bad_shapes_and_hybrid_sharding_are_refused_on_every_rank(results):
+def test_a_mesh_shape_that_does_not_fit_is_refused_on_every_rank(results):
     for r in results:
         assert "replicate_size=3 does not divide the 4 data-parallel ranks" in r["not_a_divisor"]
-        assert r["hybrid_refused"].startswith("ConfigError: Config.replicate_size=2: hybrid sharding")
+        assert "replicate_size=3 does not divide the 4 data-parallel ranks" in r["hybrid_not_a_divisor"]
 
 
 def test_a_units_collective_strategy_is_the_one_used_and_counted(results):

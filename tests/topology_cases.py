@@ -53,8 +53,8 @@ def topology_world(rank: int, world_size: int) -> dict:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    out["hybrid_refused"] = error_of(lambda: zerodp.initialize(model, torch.optim.SGD,
-                                                               zerodp.Config(stage=3, replicate_size=2), lr=0.1))
+    out["hybrid_not_a_divisor"] = error_of(lambda: zerodp.initialize(model, torch.optim.SGD,
+                                                                     zerodp.Config(stage=3, replicate_size=3), lr=0.1))
 
     # A strategy handed to a unit is the one its gathers and reduce-scatters go through,
     # and the ledger records the bytes it says it sent.

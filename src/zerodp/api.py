@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from .config import Config, ConfigError
+from .config import Config
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe
 from .optim import ZeroOptimizer
@@ -42,9 +42,6 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
     if model in _INITIALIZED:
         raise RuntimeError(f"this {type(model).__name__} was already passed to zerodp.initialize: its parameters are "
                            f"already flat shards. Keep the model and optimizer it returned, or build a new model")
-    if config.replicate_size != 1:
-        raise ConfigError(f"Config.replicate_size={config.replicate_size}: hybrid sharding (replicas of a "
-                          f"sharded group) is not supported yet; use 1, which shards over all ranks")
     if not named:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
                          f"there is nothing for zerodp to shard or train")
@@ -94,6 +91,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             problem = e
     check_ranks_agree(comm, described, problem)
     check_elementwise(inner)
+    if config.replicate_size > 1:  # hybrid sharding: now that every rank agrees on the mesh's shape
+        comm = Comm(topology=Topology.build(process_group, comm_device, config.replicate_size,
+                                            timeout_s=config.collective_timeout_s), ledger=comm.ledger)
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config)

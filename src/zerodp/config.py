@@ -39,9 +39,10 @@ class Config:
 
     replicate_size: int = 1
     """Rows of the data-parallel mesh ([Note: mesh axes] in distributed/topology.py): the
-    ranks are a replicate x shard grid and model states are sharded along each row only.
-    1 shards over every rank, the only value supported so far; hybrid sharding (shard
-    within a node, replicate across nodes) will take the number of nodes."""
+    ranks are a replicate x shard grid, model states are sharded along each row only and
+    each row holds a full copy (hybrid sharding, FSDP2's HSDP: e.g. the number of nodes, so
+    that gathers stay inside a node). Gradients are reduce-scattered within the row, then
+    all-reduced across rows. 1 shards over every rank. Must divide the world size."""
 
     mixed_precision: str = "fp32"
     """Compute dtype of the model's parameters: "fp32", "bf16" or "fp16". With bf16/fp16 the

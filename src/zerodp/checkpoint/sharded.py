@@ -58,6 +58,8 @@ def _slices_to_write(optimizer) -> list:
     """This rank's share of the trainable state: stage 0 replicates it, so rank 0 alone writes."""
     if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
         return []
+    if optimizer.comm.topology.replicate_rank != 0:  # hybrid sharding: row 0 writes, the others hold copies
+        return []
     return [s for s in optimizer.owned_slices() if s.numel > 0]
 
 
@@ -98,16 +100,22 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
                  "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
+        if rank == 0:  # the directory exists only with its writer named: [Note: stale leftovers]
+            os.makedirs(local["tmp"])
+            fileio.write_json(os.path.join(local["tmp"], OWNER), owner_record())
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
         local = {"ok": False, "error": describe_error(e)}
     agreed = comm.all_gather_object(local, "checkpoint", label=f"save of {path}: plan")
-    raise_if_failed(agreed, f"save of {path} (nothing was written)")
+    try:
+        raise_if_failed(agreed, f"save of {path} (nothing was written)")
+    except CheckpointError:
+        if rank == 0 and local.get("tmp"):
+            shutil.rmtree(local["tmp"], ignore_errors=True)
+        raise
     tmp = agreed[0]["tmp"]
     # 2. Every rank writes its files; rank 0 also the metadata and the replicated state.
     try:
         os.makedirs(tmp, exist_ok=True)
-        if rank == 0:
-            fileio.write_json(os.path.join(tmp, OWNER), owner_record())
         full_precision = optimizer.config.compute_dtype == torch.float32
         files = {rank_file(rank): fileio.write_safetensors(os.path.join(tmp, rank_file(rank)),
                                                       _shard_tensors(slices, full_precision, optimizer.placement)),

@@ -36,7 +36,7 @@ class MemoryReport:
     comm_buffers: int
     numel: int  # Ψ: trainable elements, unpadded
     padded_numel: int  # Ψ with the flat buffers' padding
-    world_size: int
+    world_size: int  # N of the formula: the ranks states are sharded over (the shard axis)
     stage: int
     gathered_params_peak: int = 0  # stage 3: largest bytes of full unit parameters held at once
     other: int = 0  # storages held outside every category (e.g. optimizer scalar states)

@@ -425,7 +425,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return MemoryReport(
             **{c: held.pop(c, 0) for c in CATEGORIES},
             numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
-            world_size=self.comm.world_size, stage=self.config.stage,
+            world_size=self.comm.shard_size, stage=self.config.stage,  # the N states are divided by
             gathered_params_peak=self.stage3.gathered_peak_nbytes if self.stage3 is not None else 0,
             other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
 

@@ -49,6 +49,7 @@ class _Bucket:
     work: object = None
     accumulate: bool = False  # stage 2: add the reduced chunk to the shard (a later micro-batch)
     launched: bool = False  # its reduction was issued in this backward
+    replicas_pending: bool = False  # hybrid sharding: its chunk still to be summed over the replicate axis
 
 
 class GradReducer(BackwardSchedule):
@@ -94,6 +95,7 @@ class GradReducer(BackwardSchedule):
     def _reset_buckets(self) -> None:
         for b in self.buckets:
             b.pending, b.buffer, b.work, b.launched = self._base_pending[id(b)], None, None, False
+            b.replicas_pending = False
         self._filled.clear()
         self._next = 0
 
@@ -147,6 +149,9 @@ class GradReducer(BackwardSchedule):
     def _launch(self, b: _Bucket) -> None:
         b.launched = True
         g, comm = b.group, self.comm
+        # Hybrid sharding ([Note: mesh axes]): the reduce-scatter sums within a replica row;
+        # the owned chunk is then summed over the rows (stage 0 all-reduces over all ranks).
+        b.replicas_pending = g.stage > 0 and comm.topology.replicate_size > 1
         seg = g.layout.segments[b.seg_index]
         chunk = g.layout.chunk(b.seg_index, g.rank)
         local = chunk.flat_start - seg.start
@@ -190,6 +195,9 @@ class GradReducer(BackwardSchedule):
         if b.work is not None:
             b.work.wait()
             b.work = None
+        if b.replicas_pending:
+            b.replicas_pending = False
+            self._sum_over_replicas(b)
         g = b.group
         if b.buffer is not None:
             seg = g.layout.segments[b.seg_index]
@@ -204,6 +212,21 @@ class GradReducer(BackwardSchedule):
                 g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(b.buffer[local: local + c.numel])
             self.pool.put(b.buffer)
             b.buffer = None
+
+    def _sum_over_replicas(self, b: _Bucket) -> None:
+        """The rank's reduced chunk of the bucket, wherever the reduce-scatter left it, summed
+        over the replicate axis (each row holds the same shards of different data)."""
+        g = b.group
+        seg = g.layout.segments[b.seg_index]
+        c = g.layout.chunk(b.seg_index, g.rank)
+        local = c.flat_start - seg.start
+        if g.grad_shard is not None:  # stage 2
+            chunk = (b.buffer[local: local + c.numel] if b.accumulate
+                     else g.grad_shard[c.shard_start: c.shard_start + c.numel])
+        else:  # stage 1: in the staging buffer, or in place in the flat gradient
+            source = b.buffer if b.buffer is not None else g.grad_flat[seg.start: seg.end]
+            chunk = source[local: local + c.numel]
+        self.comm.all_reduce(chunk, "backward", axis="replicate", label=f"bucket {b.seg_index}")
 
     def finish_backward(self) -> None:
         if not self.reduces_now:
@@ -222,6 +245,8 @@ class GradReducer(BackwardSchedule):
     def reset(self) -> None:
         """After a backward that raised: wait for what is in flight, return every buffer."""
         super().reset()
+        for b in self.buckets:  # no new collective now: the other ranks may not be reducing
+            b.replicas_pending = False
         self._wait_all()
         self._reset_buckets()
 

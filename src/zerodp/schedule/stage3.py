@@ -268,14 +268,19 @@ class Stage3Engine(BackwardSchedule):
                                    or self._works[0][1].is_completed()):
                 self._finish_reduction(*self._works.pop(0))
 
-    def _finish_reduction(self, ui: int, work, accumulate: bool) -> None:
+    def _finish_reduction(self, ui: int, work, accumulate: bool, replicas: bool = True) -> None:
         if work is not None:
             work.wait()
-        self.units[ui].finish_reduce(accumulate)
+        unit = self.units[ui]
+        if replicas and not unit.empty and self.comm.topology.replicate_size > 1:
+            # Hybrid sharding ([Note: mesh axes]): summed within the row, then over the rows.
+            self.comm.all_reduce(unit.reduced_chunk(accumulate), "backward", axis="replicate",
+                                 label=f"unit {unit.name}")
+        unit.finish_reduce(accumulate)
 
-    def _wait_all(self) -> None:
+    def _wait_all(self, replicas: bool = True) -> None:
         for ui, work, accumulate in self._works:
-            self._finish_reduction(ui, work, accumulate)
+            self._finish_reduction(ui, work, accumulate, replicas)
         self._works.clear()
 
     def finish_backward(self) -> None:
@@ -310,7 +315,7 @@ class Stage3Engine(BackwardSchedule):
         """After a backward or forward that raised ([Note: failed backward] in schedule/base.py):
         wait for reductions in flight, drop unreduced gradients, free every gathered unit."""
         super().reset()
-        self._wait_all()
+        self._wait_all(replicas=False)  # no new collective now: the other ranks may not be reducing
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None

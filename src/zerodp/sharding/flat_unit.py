@@ -177,6 +177,10 @@ class FlatUnit:
             self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
         self.free_grads()
 
+    def reduced_chunk(self, accumulate: bool) -> torch.Tensor:
+        """Where the last reduce-scatter put this rank's chunk, before `finish_reduce`."""
+        return self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
+
     def own_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a full, flat buffer of the unit."""
         c = self.layout.chunk(0, self.rank)
