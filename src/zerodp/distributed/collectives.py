@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .failure import FailureReport
 from .ledger import CommLedger, CommRecord
 
-__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives"]
+__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives", "guarded"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,6 +60,18 @@ class Works:
         return None
 
 
+def guarded(record: CommRecord, failures: Optional[FailureReport], call, *args, **kwargs):
+    """Issue one torch.distributed call; a failure now or at its wait becomes a
+    `CollectiveError` naming every rank ([Note: no silent hang] in failure.py)."""
+    try:
+        work = call(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        if failures is None:
+            raise
+        failures.raise_for(record, e)
+    return Works([work], record=record, failures=failures) if work is not None else None
+
+
 def check_device(device: torch.device, rank: int, op: str, *tensors: torch.Tensor) -> None:
     """NCCL only moves CUDA tensors, so a CPU tensor sent on an NCCL group fails at run
     time; checking here makes a CPU-only (gloo) run catch the same mistake."""
@@ -101,7 +113,7 @@ class Collectives:
         record = self._record(op, output, input, full, phase, label)
         if record is None:
             return None
-        return self._guarded(record, lambda: launch(output, input, async_op))
+        return guarded(record, self.failures, launch, output, input, async_op)
 
     def _record(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor, phase: str,
                 label: str) -> Optional[CommRecord]:
@@ -120,17 +132,6 @@ class Collectives:
             output.copy_(input)
         return None
 
-    def _guarded(self, record: CommRecord, launch):
-        """Launch; a failure now or at the wait becomes a `CollectiveError` naming every rank."""
-        try:
-            work = launch()
-        except Exception as e:  # noqa: BLE001
-            if self.failures is None:
-                raise
-            self.failures.raise_for(record, e)
-        if work is None:
-            return None
-        return Works([work], record=record, failures=self.failures)
 
     def launch_all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
         raise NotImplementedError

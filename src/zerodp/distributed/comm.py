@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, Works, check_device, default_collectives
+from .collectives import Collectives, check_device, default_collectives, guarded
 from .failure import CollectiveError, FailureReport
 from .ledger import CommLedger, CommRecord
 from .topology import Topology, forget_meshes
@@ -56,17 +56,11 @@ class Comm:
         group = self.topology.group(axis)
         return dist.get_global_rank(group, rank) if group is not None else rank
 
+    def _run(self, record: CommRecord, call, *args, **kwargs):
+        return guarded(record, self.failures, call, *args, **kwargs)
+
     # A single process needs no communication; these shortcuts keep world size 1 free of
     # a process group while recording the same volume (0 moved between ranks either way).
-    def _run(self, record: CommRecord, call, *args, **kwargs):
-        """Issue one torch.distributed call; a failure becomes a `CollectiveError` that names
-        every rank ([Note: no silent hang] in failure.py)."""
-        try:
-            work = call(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            self.failures.raise_for(record, e)
-        return Works([work], record=record, failures=self.failures) if work is not None else None
-
     def all_reduce(self, tensor: torch.Tensor, phase: str, op=dist.ReduceOp.SUM, async_op: bool = False,
                    axis: str = "data", label: str = ""):
         self._check("all_reduce", tensor)
