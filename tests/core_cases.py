@@ -267,7 +267,7 @@ def special_cases(rank, world_size):
     opt.step()
     for h in handles:
         h.remove()
-    masters = [t for g in opt.param_groups for t in g["params"]]
+    masters = [t for g in opt.inner.param_groups for t in g["params"]]
     out["chunked_step"] = {
         "inner_calls": len(calls), "pieces": len(masters), "hooks": outer_calls,
         "master_bytes": sum(t.numel() * t.element_size() for t in masters),

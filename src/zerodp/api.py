@@ -20,6 +20,7 @@ from .optim import ZeroOptimizer
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
+from .sharding.model_state import install_state_dict_hooks
 from .sharding.meta_init import default_device, has_meta, materialize
 from .sharding.prepare import check_param_dtypes
 from .sharding.shard import flatten_groups, shard_units
@@ -99,7 +100,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         sharded = shard_units(model, named, group_indices, comm, config)
         schedule = Stage3Engine(sharded.units, comm, config, sharded.pool)
         opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
-                            stage3=schedule)
+                            group_indices=group_indices, stage3=schedule)
+        install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params)
         log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(sharded.units),
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))
     else:
@@ -109,7 +111,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         model.register_forward_pre_hook(lambda module, args: reducer.check_no_open_backward())
         model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
                                     if torch.is_grad_enabled() else None)
-        opt = ZeroOptimizer(inner, [[g] for g in flat.groups], comm, config, reducer, trainable=named)
+        opt = ZeroOptimizer(inner, [[g] for g in flat.groups], comm, config, reducer, trainable=named,
+                            group_indices=group_indices)
+        # The parameters are whole: torch's own state dict is right; a load moves the master.
+        model.register_load_state_dict_post_hook(lambda module, keys: opt.refresh_master_from_params())
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
     _INITIALIZED.add(model)

@@ -119,14 +119,14 @@ def json_safe(value):
 
 def group_hyperparameters(optimizer) -> list:
     out = []
-    for group in optimizer.inner.param_groups:
+    for group in optimizer.param_groups:
         out.append({k: json_safe(v) for k, v in group.items()
                     if k != "params" and (json_safe(v) is not None or v is None)})
     return out
 
 
 def restore_hyperparameters(optimizer, saved: list) -> None:
-    for group, values in zip(optimizer.inner.param_groups, saved):
+    for group, values in zip(optimizer.param_groups, saved):
         for k, v in values.items():
             if k == "params" or k not in group:
                 continue

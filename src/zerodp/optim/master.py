@@ -32,6 +32,13 @@ class ShardStorage(Protocol):
     def publish(self, phase: str = "step") -> None: ...
     def zero_grad(self) -> None: ...
     def held_tensors(self) -> dict: ...
+    # For state dicts (optim/state_dict.py): the layout's slots that are this storage's,
+    # their names, this rank on the shard axis, and the shard axis's collectives.
+    layout: object
+    indices: list
+    names: list
+    rank: int
+    collectives: object
 
 
 @dataclass(frozen=True)

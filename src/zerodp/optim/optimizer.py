@@ -30,7 +30,9 @@ from ..memory import hostmem
 from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
 from .clipping import global_grad_norm, local_nonfinite
 from .master import MasterPlacement, MasterShard, ShardStorage, runs_of_bytes
+from ..sharding.rows import RowSharding
 from .precision import LossScaler
+from .state_dict import load_sharded_state_dict, sharded_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,25 @@ class OwnedSlice:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Public surface: backward, step, zero_grad, clip_grad_norm_, report, and
-    param_groups shared with the inner optimizer (so LR schedulers drive it)."""
+    """Public surface: backward, step, zero_grad, clip_grad_norm_, state_dict,
+    load_state_dict, report, and param_groups over the model's parameters (so LR
+    schedulers and torch's checkpointing see an optimizer of the model).
+
+    [Note: two sets of param groups]
+    `param_groups` are the user's: the model's trainable parameters and the hyperparameters
+    an LR scheduler changes. The inner optimizer's groups hold the master tensors of this
+    rank's shard instead; their hyperparameters are copied from the user's before every
+    inner step (`_sync_hyperparameters`), so the user's groups are the only ones to edit."""
 
     def __init__(self, inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]],
-                 comm: Comm, config: Config, grad_sync, trainable: list, stage3=None):
+                 comm: Comm, config: Config, grad_sync, trainable: list, group_indices: list, stage3=None):
         self.inner, self.comm, self.config = inner, comm, config
         self.trainable = trainable  # (name, parameter) of everything sharded, as at initialize
+        self.param_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [trainable[i][1] for i in idx]}
+                             for g, idx in zip(inner.param_groups, group_indices)]
+        # How state dicts cut the sharded states into DTensors: [Note: row shards].
+        self.rows = RowSharding(comm.topology, sharded=config.stage >= 1)
         self.grad_sync = grad_sync  # reducer (stages 0-2) or stage-3 engine: micro_step, grads_ready
         self.stage3 = stage3
         self.scaler = LossScaler.from_config(config)
@@ -73,7 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 s.drop_initial_fp32()
         inner.state.clear()
         # Optimizer's bookkeeping, shared with the inner optimizer rather than copied.
-        self.defaults, self.state, self.param_groups = inner.defaults, inner.state, inner.param_groups
+        self.defaults, self.state = inner.defaults, inner.state
         for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                      "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
@@ -169,6 +183,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward before step()")
         self._run_step_hooks(post=False)
+        if self._is_state_probe():
+            self.materialize_state()
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+            self._run_step_hooks(post=True)
+            return None
         if self._nothing_to_step():
             self._run_step_hooks(post=True)
             return None
@@ -183,6 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         self.comm.rank, self.step_count)
             self.skipped_steps += 1
         else:
+            self._sync_hyperparameters()
             self._inner_step()
             self.scaler.update(found_inf=False)
             self.sync_params_from_master()
@@ -206,6 +228,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  else [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()])
         for hook in hooks:
             hook(self, (), {})
+
+    def _is_state_probe(self) -> bool:
+        """torch.distributed.checkpoint.state_dict creates a fresh optimizer's states by
+        setting every parameter's .grad to zeros and stepping at learning rate 0. With no
+        backward run that step has no reduced gradient to use; it creates the states instead
+        (`materialize_state`), which is what that step does on any torch optimizer."""
+        if self.grad_sync.grads_ready or self.grad_sync.micro_step or self.config.stage < 2:
+            return False  # stages 0-1 always hold gradients: torch's probe never steps them
+        params = [p for g in self.param_groups for p in g["params"]]
+        return (all(float(g["lr"]) == 0.0 for g in self.param_groups)
+                and all(p.grad is not None and p.grad.shape == p.shape and not p.grad.any() for p in params))
+
+    def _sync_hyperparameters(self) -> None:
+        """[Note: two sets of param groups]"""
+        for user, inner in zip(self.param_groups, self.inner.param_groups):
+            for k, v in user.items():
+                if k != "params":
+                    inner[k] = v
 
     def _nothing_to_step(self) -> bool:
         """`zero_grad()` then `step()` with no backward in between: torch's optimizers find
@@ -303,14 +343,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for m in shard.master_tensors:
                 m.grad = None
 
-    # torch's per-rank state dict would hold only this rank's shard, keyed by positions that
-    # depend on the world size: a trap. Checkpoints go through zerodp.save / zerodp.load.
-    def state_dict(self):
-        raise RuntimeError("ZeroOptimizer holds only this rank's shard: save and restore it with "
-                           "zerodp.save(path, model, optimizer) and zerodp.load(path, model, optimizer)")
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict with every per-element state a DTensor of its
+        parameter's shape (this rank's rows), which torch.distributed.checkpoint saves and
+        reshards: optim/state_dict.py. Collective: every rank calls it."""
+        return sharded_state_dict(self, self.rows)
 
-    def load_state_dict(self, state_dict) -> None:
-        self.state_dict()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a `state_dict()` (from any world size and stage) or its full form."""
+        load_sharded_state_dict(self, state_dict, self.rows)
 
     # -- state by parameter name (checkpoints) ---------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
@@ -358,6 +399,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameter: a step with zero gradients and learning rate 0, as torch DCP does."""
         if all(len(self.inner.state.get(t, {})) for s in self._all_shards() for t in s.master_tensors):
             return
+        self._sync_hyperparameters()
         saved_lr = [g["lr"] for g in self.inner.param_groups]
         for s in self._all_shards():
             for t in s.master_tensors:

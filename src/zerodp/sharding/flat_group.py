@@ -21,6 +21,7 @@ class FlatParamGroup:
     def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm, stage: int,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, bucket_bytes: int):
         self.params, self.names, self.stage = params, names, stage
+        self.indices = list(range(len(params)))  # every slot of the layout is this group's
         # Sharded over the mesh's shard axis ([Note: mesh axes] in distributed/topology.py).
         self.collectives = comm.collectives("shard")
         self.rank = comm.shard_rank

@@ -238,6 +238,7 @@ class UnitGroupView:
     def __init__(self, unit: FlatUnit, param_indices: list[int]):
         self.unit, self.indices = unit, param_indices
         self.layout, self.names, self.rank = unit.layout, unit.names, unit.rank
+        self.collectives = unit.collectives
         self.pieces = unit.owned_pieces(param_indices)
 
     def owned_pieces(self) -> list[Piece]:

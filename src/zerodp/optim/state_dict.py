@@ -1,0 +1,177 @@
+"""`ZeroOptimizer.state_dict()` / `load_state_dict()`: torch's optimizer state dict, sharded.
+
+The form is torch's own: {"state": {i: {name: value}}, "param_groups": [{..., "params":
+[i, ...]}]}, where i numbers the model's trainable parameters in param-group order (what
+`optimizer.param_groups` lists), so `torch.distributed.checkpoint.state_dict` maps them to
+the model's names as for any optimizer. Each per-element state (Adam's exp_avg, ...) has its
+parameter's full shape, a DTensor holding this rank's rows ([Note: row shards] in
+sharding/rows.py); scalar states (Adam's step) are plain. Under bf16/fp16 each parameter
+also has "master": its fp32 master weights, which the compute-dtype model state dict
+rounds; loading restores them exactly. Loading accepts the same DTensors or full tensors
+(from a full state dict), at any world size and stage.
+"""
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+from ..memory.ledger import is_elementwise_state
+from ..sharding.rows import RowSharding, copy_owned, gather_runs, scatter_runs
+
+__all__ = ["MASTER", "sharded_state_dict", "load_sharded_state_dict"]
+
+MASTER = "master"  # the fp32 master weights' key under mixed precision
+
+
+def _pid_of(opt) -> tuple[dict, dict]:
+    """id(parameter) -> its number in the state dict, and name -> number."""
+    params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
+    pid = {id(p): i for i, p in enumerate(params)}
+    return pid, {n: pid[id(p)] for n, p in opt.trainable}
+
+
+def _state_keys(opt, group: list) -> list[str]:
+    """A param group's per-element state names. From all of the group's pieces on this
+    rank, so that every rank (each owning some of the group) finds the same names."""
+    keys = {k for shard in group for t in shard.master_tensors for k, v in opt.inner.state.get(t, {}).items()
+            if is_elementwise_state(v, t)}
+    return sorted(keys) + ([] if group[0].full_precision else [MASTER])
+
+
+def _piece_tensors(opt, shard, key: str) -> list[torch.Tensor]:
+    if key == MASTER:
+        return shard.master_tensors
+    return [opt.inner.state[t][key] for t in shard.master_tensors]
+
+
+def _local_values(rows: RowSharding, shard, tensors: list[torch.Tensor], device) -> dict[int, torch.Tensor]:
+    """Slot index -> this rank's rows of that parameter (flat), for one storage's state."""
+    st = shard.storage
+    layout, pieces = st.layout, st.owned_pieces()
+    dtype = tensors[0].dtype if tensors else torch.float32
+    if rows.sharded:
+        local = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        for p, t in zip(pieces, tensors):
+            local[p.shard_start: p.shard_start + p.numel].copy_(t.reshape(-1))
+        wanted = {i: rows.row_range(layout.slots[i].shape) for i in st.indices}
+        return gather_runs(layout, local, st.collectives, wanted, "checkpoint")
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    for p, t in zip(pieces, tensors):
+        flat[p.flat_start: p.flat_start + p.numel].copy_(t.reshape(-1))
+    return {i: flat[layout.slots[i].offset: layout.slots[i].offset + layout.slots[i].numel] for i in st.indices}
+
+
+@torch.no_grad()
+def sharded_state_dict(opt, rows: RowSharding) -> dict:
+    """The optimizer's state dict, as the module docstring describes (collective)."""
+    _, pid_of_name = _pid_of(opt)
+    state: dict = {}
+    scalars = opt.scalar_states()
+    for gi, group in enumerate(opt.shards):
+        keys = _state_keys(opt, group)
+        if not keys and not scalars[gi]:
+            continue  # never stepped, or a stateless optimizer: no state, as torch's
+        for shard in group:
+            st = shard.storage
+            for key in keys:
+                values = _local_values(rows, shard, _piece_tensors(opt, shard, key), opt.comm.device)
+                for i in st.indices:
+                    state.setdefault(pid_of_name[st.names[i]], {})[key] = rows.wrap(
+                        values[i].clone(), st.layout.slots[i].shape)
+            for i in st.indices:
+                entry = state.setdefault(pid_of_name[st.names[i]], {})
+                for k, v in scalars[gi].items():
+                    entry[k] = torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
+    pid_of = _pid_of(opt)[0]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pid_of[id(p)] for p in g["params"]]}
+              for g in opt.param_groups]
+    return {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+
+
+def _check_structure(opt, sd) -> None:
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("an optimizer state dict is a dict with 'state' and 'param_groups' (what "
+                         "optimizer.state_dict() returns); got " + type(sd).__name__)
+    ours, theirs = opt.param_groups, sd["param_groups"]
+    if len(ours) != len(theirs) or any(len(a["params"]) != len(b["params"]) for a, b in zip(ours, theirs)):
+        raise ValueError(f"the state dict's param groups hold {[len(g['params']) for g in theirs]} parameters, "
+                         f"this optimizer's {[len(g['params']) for g in ours]}: load a state dict of the same "
+                         f"model and param groups")
+
+
+@torch.no_grad()
+def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
+    """Restore what `sharded_state_dict` returned (or its full form), then publish the
+    parameters. Raises before changing anything when the structure does not match."""
+    _check_structure(opt, sd)
+    _, pid_of_name = _pid_of(opt)
+    entries = {}
+    for k, v in sd["state"].items():
+        entries[pid_of_name[k] if isinstance(k, str) and k in pid_of_name else k] = v
+    if not entries:  # a never-stepped optimizer: nothing to restore but its hyperparameters
+        _restore_hyperparameters(opt, sd["param_groups"])
+        return
+    opt.materialize_state()
+    plan = []
+    for group in opt.shards:
+        keys = _state_keys(opt, group)
+        for shard in group:
+            st = shard.storage
+            for key in keys:
+                found = {}
+                for i in st.indices:
+                    entry = entries.get(pid_of_name[st.names[i]], {})
+                    if key not in entry:
+                        if key == MASTER:
+                            break  # saved in fp32: the master restarts from the model's weights
+                        raise ValueError(f"the optimizer state dict has no {key!r} for {st.names[i]}: load a state "
+                                         f"dict saved from the same optimizer")
+                    found[i] = rows.unwrap(entry[key], st.layout.slots[i].shape, f"{st.names[i]}.{key}")
+                else:
+                    plan.append((shard, key, found))
+    _restore_hyperparameters(opt, sd["param_groups"])
+    for shard, key, found in plan:
+        _write_values(rows, shard, _piece_tensors(opt, shard, key), found, opt.comm.device)
+    # torch's optimizers keep a group's scalar states (Adam's step) equal: take its first parameter's.
+    first = [entries.get(pid_of_name[g[0].storage.names[g[0].storage.indices[0]]], {}) for g in opt.shards]
+    opt.load_scalar_states([{k: float(v) if torch.is_tensor(v) else v for k, v in e.items()
+                             if not (torch.is_tensor(v) and v.dim() > 0)} for e in first])
+    opt.sync_params_from_master("checkpoint")
+
+
+def _write_values(rows: RowSharding, shard, tensors: list[torch.Tensor], found: dict, device) -> None:
+    st = shard.storage
+    layout, pieces = st.layout, st.owned_pieces()
+    dtype = tensors[0].dtype if tensors else torch.float32
+    if rows.sharded:
+        by_rows = {}
+        for i, (kind, v) in found.items():
+            if kind == "rows":
+                shape = layout.slots[i].shape
+                by_rows[i] = (rows.row_range(shape)[0], v if rows.contribution(shape)[1] else v[:0])
+        local = scatter_runs(layout, by_rows, st.collectives, dtype, device, "checkpoint") if by_rows else \
+            torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        for i, (kind, v) in found.items():
+            if kind == "full":
+                copy_owned(layout, st.rank, i, v.to(dtype), local)
+        for p, t in zip(pieces, tensors):
+            t.view(-1).copy_(local[p.shard_start: p.shard_start + p.numel])
+        return
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    for i, (_, v) in found.items():
+        slot = layout.slots[i]
+        flat[slot.offset: slot.offset + slot.numel].copy_(v)
+    for p, t in zip(pieces, tensors):
+        t.view(-1).copy_(flat[p.flat_start: p.flat_start + p.numel])
+
+
+def _restore_hyperparameters(opt, saved: list) -> None:
+    for group, values in zip(opt.param_groups, saved):
+        for k, v in values.items():
+            if k == "params":
+                continue
+            if torch.is_tensor(group.get(k)):
+                group[k].fill_(v)
+            else:
+                group[k] = v

@@ -1,0 +1,119 @@
+"""`model.state_dict()` and `model.load_state_dict()` of a stage-3 model.
+
+Between uses a stage-3 parameter is a 1-D view of the rank's shard ([Note: unit storage]
+in flat_unit.py), which torch's own state dict would return as it is: each rank's shards,
+mis-shaped, a dict that loads nowhere. So the model's state dict hooks replace every unit
+parameter, under each of its names, by its value in the form of [Note: row shards]
+(rows.py): a DTensor of the parameter's full shape, this rank holding its rows, which
+torch.distributed.checkpoint saves and reshards, and `get_state_dict` can gather whole.
+Loading takes the same DTensors, or full tensors (each rank keeps what it owns, no
+collective). Replicated parameters and buffers are torch's business, untouched.
+`state_dict(keep_vars=True)` asks for the model's own variables and gets them: the
+shard-viewing parameters, as zerodp's own checkpoint code reads them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .flat_unit import FlatUnit, UnitState
+from .rows import RowSharding, copy_owned, gather_runs, scatter_runs
+
+__all__ = ["install_state_dict_hooks", "full_unit_tensors"]
+
+
+def _aliases(model: nn.Module, units: list[FlatUnit]) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in the model's state dict (tied weights: several)."""
+    ours = {id(p) for u in units for p in u.params}
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in ours:
+            out.setdefault(id(p), []).append(name)
+    return out
+
+
+def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint") -> list[torch.Tensor]:
+    """Every parameter of the unit, whole, on every rank (one all-gather per segment)."""
+    wanted = {i: (0, slot.numel) for i, slot in enumerate(unit.layout.slots)}
+    runs = gather_runs(unit.layout, unit.shard, unit.collectives, wanted, phase, label=f"unit {unit.name}")
+    return [runs[i].view(slot.shape) for i, slot in enumerate(unit.layout.slots)]
+
+
+def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowSharding,
+                             on_loaded: Callable[[], None]) -> None:
+    """Make the model's state dict the sharded one described above; `on_loaded` runs after
+    a load changed parameters (the optimizer restarts its fp32 master from them)."""
+    aliases = _aliases(model, units)
+
+    # A gathered unit (inside gathered_parameters) holds its parameters whole, in place:
+    # torch's own state dict and load are right for it, so the hooks leave it alone.
+    keep_vars: list = []
+
+    def state_dict_pre_hook(module, prefix, keep):
+        keep_vars.append(keep)
+
+    def state_dict_hook(module, state_dict, prefix, local_metadata):
+        if keep_vars.pop() if keep_vars else False:
+            return
+        for u in units:
+            if u.empty or u.state is not UnitState.SHARDED:
+                continue
+            if rows.sharded:
+                wanted = {i: rows.row_range(slot.shape) for i, slot in enumerate(u.layout.slots)}
+                local = gather_runs(u.layout, u.shard, u.collectives, wanted, "checkpoint", label=f"unit {u.name}")
+            else:  # one rank holds the unit whole
+                local = {i: u.shard[s.offset: s.offset + s.numel] for i, s in enumerate(u.layout.slots)}
+            for i, p in enumerate(u.params):
+                value = rows.wrap(local[i].detach(), u.layout.slots[i].shape)
+                for name in aliases[id(p)]:
+                    if prefix + name in state_dict:
+                        state_dict[prefix + name] = value
+
+    def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs):
+        changed = False
+        with torch.no_grad():
+            for u in units:
+                if u.state is not UnitState.SHARDED:
+                    continue
+                found = {}
+                for i, p in enumerate(u.params):
+                    key = next((prefix + n for n in aliases[id(p)] if prefix + n in state_dict), None)
+                    if key is not None:
+                        found[i] = rows.unwrap(state_dict[key], u.layout.slots[i].shape, key)
+                if not found:
+                    continue
+                changed = True
+                by_rows = {i: (rows.row_range(u.layout.slots[i].shape)[0], v)
+                           for i, (kind, v) in found.items() if kind == "rows"}
+                if by_rows:  # the same keys on every rank: each holds its rows
+                    by_rows = {i: (lo, v) if rows.contribution(u.layout.slots[i].shape)[1] else (lo, v[:0])
+                               for i, (lo, v) in by_rows.items()}
+                    shard = scatter_runs(u.layout, by_rows, u.collectives, u.shard.dtype, u.shard.device,
+                                         "checkpoint", label=f"unit {u.name}")
+                    for i in by_rows:
+                        for _, s, n in u.layout.slot_pieces(i, u.rank):
+                            u.shard[s: s + n].copy_(shard[s: s + n])
+                for i, (kind, v) in found.items():
+                    if kind == "full":
+                        copy_owned(u.layout, u.rank, i, v.to(u.shard.dtype), u.shard)
+                for i, p in enumerate(u.params):  # what torch's own load then copies: itself
+                    for n in aliases[id(p)]:
+                        if prefix + n in state_dict:
+                            state_dict[prefix + n] = p.detach()
+        if changed:
+            pending.append(True)
+
+    pending: list = []
+
+    def load_post_hook(module, incompatible_keys):
+        if pending:
+            pending.clear()
+            on_loaded()
+
+    model.register_state_dict_pre_hook(state_dict_pre_hook)
+    model.register_state_dict_post_hook(state_dict_hook)
+    model.register_load_state_dict_pre_hook(load_pre_hook)
+    model.register_load_state_dict_post_hook(load_post_hook)
