@@ -4,7 +4,7 @@
     model, optimizer = zerodp.initialize(model, torch.optim.AdamW, zerodp.Config(stage=2), lr=3e-4)
 """
 from .api import initialize
-from .checkpoint import consolidate, export, latest, load, load_pretrained, save
+from .checkpoint import consolidate, export, full_state_dict, latest, load, load_pretrained, save, save_pretrained
 from .config import Config, ConfigError
 from .distributed import CollectiveError, CommLedger, Topology, init_distributed, shutdown_distributed
 from .memory.estimator import estimate
@@ -18,5 +18,6 @@ __all__ = [
     "CollectiveError", "Config", "ConfigError", "CommLedger", "MemoryReport", "Topology", "ZeroOptimizer",
     "init_distributed", "shutdown_distributed", "init", "initialize", "gathered_parameters",
     "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
+    "full_state_dict", "save_pretrained",
     "__version__",
 ]

@@ -1,8 +1,10 @@
 """Checkpoints: the format (format.py), atomic file I/O (files.py), reading (reader.py),
 sharded save/load at any world size and stage (sharded.py), and a plain model out or in
-(consolidated.py)."""
+(consolidated.py), and the model whole from a live run (full_state.py)."""
 from .consolidated import consolidate, export, load_pretrained
 from .format import CheckpointError
+from .full_state import full_state_dict, save_pretrained
 from .sharded import latest, load, save
 
-__all__ = ["CheckpointError", "consolidate", "export", "latest", "load", "load_pretrained", "save"]
+__all__ = ["CheckpointError", "consolidate", "export", "full_state_dict", "latest", "load", "load_pretrained",
+           "save", "save_pretrained"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -32,24 +31,9 @@ from .clipping import global_grad_norm, local_nonfinite
 from .master import MasterPlacement, MasterShard, ShardStorage, runs_of_bytes
 from ..sharding.rows import RowSharding
 from .precision import LossScaler
-from .state_dict import load_sharded_state_dict, sharded_state_dict
+from .state_dict import OwnedSlice, load_sharded_state_dict, owned_slices, sharded_state_dict
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class OwnedSlice:
-    """Elements [start, start+numel) of one flattened parameter that this rank owns, with
-    views of its compute value, fp32 master and per-element optimizer states."""
-
-    name: str
-    shape: tuple
-    group: int
-    start: int
-    numel: int
-    param: torch.Tensor
-    master: torch.Tensor
-    states: dict
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -94,6 +78,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             setattr(self, attr, OrderedDict())
         self._grads_prepared = False
         self._found_inf = False
+        self._last_skipped = False
         self._states_rehomed = False
         self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
         self._scaled_backwards = 0  # backward passes run through self.backward since the last step
@@ -111,11 +96,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [s for group in self.shards for s in group]
 
     # -- training loop ------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """loss.backward(), scaled by the fp16 loss scale and divided by the accumulation steps."""
-        scale = self.scaler.scale / self.config.grad_accumulation_steps
+    def backward(self, loss: torch.Tensor, *, scale_wrt_accumulation: bool = True, **kwargs) -> None:
+        """loss.backward(), scaled by the fp16 loss scale and divided by the accumulation
+        steps (not with scale_wrt_accumulation=False: a loss the caller already divided, as
+        Hugging Face's Trainer does)."""
+        scale = self.scaler.scale / (self.accumulation_steps if scale_wrt_accumulation else 1)
         self._scaled_backwards += 1
         (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Backward passes from one step to the next (Config.grad_accumulation_steps, unless set)."""
+        return self.grad_sync.accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, steps: int) -> None:
+        """For a window of another length, e.g. the shorter last one of an epoch; only
+        between steps, since the boundary backward reduces differently."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"accumulation_steps={steps!r}: use a whole number of backward passes >= 1")
+        if self.grad_sync.micro_step:
+            raise RuntimeError(f"accumulation_steps set after {self.grad_sync.micro_step} backward passes of the "
+                               f"window: set it before its first backward (right after step or zero_grad)")
+        self.grad_sync.accumulation_steps = steps
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() left the weights unchanged (an fp16 overflow, or a nan/inf
+        gradient under Config.nonfinite_grads='skip'): an LR scheduler should not advance."""
+        return self._last_skipped
 
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError("add_param_group after zerodp.initialize is not supported: the new parameters would "
@@ -150,7 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.grad_sync.grads_ready:
             raise RuntimeError(
                 "step() or clip_grad_norm_() was called before a backward at the accumulation boundary: "
-                f"run optimizer.backward(loss) (grad_accumulation_steps={self.config.grad_accumulation_steps} "
+                f"run optimizer.backward(loss) (accumulation_steps={self.accumulation_steps} "
                 f"backward calls per step, {self.grad_sync.micro_step} so far) first")
         inv_scale = 1.0 / self.scaler.scale
         for shard in self._all_shards():
@@ -195,6 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return None
         self._prepare_grads()
         nonfinite = self._agree_on_step()
+        self._last_skipped = self._found_inf or nonfinite
         if self._found_inf:
             log.warning("rank %d: inf/nan gradient, skipping step %d (loss scale %g -> %g)", self.comm.rank,
                         self.step_count, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
@@ -357,27 +367,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def owned_slices(self) -> list[OwnedSlice]:
         """Every run of parameter elements this rank owns, by parameter name; independent of
         the world size and stage, so a checkpoint written from it can be read by any other."""
-        out = []
-        for gi, group in enumerate(self.shards):
-            for shard in group:
-                st = shard.storage
-                params = st.owned_params()
-                for pi, piece in enumerate(st.owned_pieces()):
-                    master_t = shard.master_tensors[pi]
-                    states = {k: v for k, v in self.inner.state.get(master_t, {}).items()
-                              if is_elementwise_state(v, master_t)}
-                    for si, slot in enumerate(st.layout.slots):
-                        lo = max(slot.offset, piece.flat_start)
-                        hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
-                        if lo >= hi:
-                            continue
-                        a, b = lo - piece.flat_start, hi - piece.flat_start
-                        out.append(OwnedSlice(
-                            name=st.names[si], shape=slot.shape, group=gi, start=lo - slot.offset, numel=hi - lo,
-                            param=params[pi].reshape(-1)[a:b],
-                            master=master_t.reshape(-1)[a:b],
-                            states={k: v.reshape(-1)[a:b] for k, v in states.items()}))
-        return out
+        return owned_slices(self)
 
     def scalar_states(self) -> list[dict]:
         """Per param group, the optimizer's scalar states (e.g. Adam's step), which torch's

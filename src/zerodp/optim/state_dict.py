@@ -1,4 +1,5 @@
-"""`ZeroOptimizer.state_dict()` / `load_state_dict()`: torch's optimizer state dict, sharded.
+"""The optimizer's state by parameter: `owned_slices` (what zerodp's own checkpoints read and
+write) and `ZeroOptimizer.state_dict()` / `load_state_dict()`, torch's form, sharded.
 
 The form is torch's own: {"state": {i: {name: value}}, "param_groups": [{..., "params":
 [i, ...]}]}, where i numbers the model's trainable parameters in param-group order (what
@@ -12,6 +13,7 @@ rounds; loading restores them exactly. Loading accepts the same DTensors or full
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
@@ -19,9 +21,50 @@ import torch
 from ..memory.ledger import is_elementwise_state
 from ..sharding.rows import RowSharding, copy_owned, gather_runs, scatter_runs
 
-__all__ = ["MASTER", "sharded_state_dict", "load_sharded_state_dict"]
+__all__ = ["MASTER", "OwnedSlice", "owned_slices", "sharded_state_dict", "load_sharded_state_dict"]
 
 MASTER = "master"  # the fp32 master weights' key under mixed precision
+
+
+@dataclass
+class OwnedSlice:
+    """Elements [start, start+numel) of one flattened parameter that this rank owns, with
+    views of its compute value, fp32 master and per-element optimizer states."""
+
+    name: str
+    shape: tuple
+    group: int
+    start: int
+    numel: int
+    param: torch.Tensor
+    master: torch.Tensor
+    states: dict
+
+
+def owned_slices(opt) -> list[OwnedSlice]:
+    """Every run of parameter elements this rank owns, by parameter name; independent of
+    the world size and stage, so a checkpoint written from it can be read by any other."""
+    out = []
+    for gi, group in enumerate(opt.shards):
+        for shard in group:
+            st = shard.storage
+            params = st.owned_params()
+            for pi, piece in enumerate(st.owned_pieces()):
+                master_t = shard.master_tensors[pi]
+                states = {k: v for k, v in opt.inner.state.get(master_t, {}).items()
+                          if is_elementwise_state(v, master_t)}
+                for si, slot in enumerate(st.layout.slots):
+                    lo = max(slot.offset, piece.flat_start)
+                    hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
+                    if lo >= hi:
+                        continue
+                    a, b = lo - piece.flat_start, hi - piece.flat_start
+                    out.append(OwnedSlice(
+                        name=st.names[si], shape=slot.shape, group=gi, start=lo - slot.offset, numel=hi - lo,
+                        param=params[pi].reshape(-1)[a:b],
+                        master=master_t.reshape(-1)[a:b],
+                        states={k: v.reshape(-1)[a:b] for k, v in states.items()}))
+    return out
 
 
 def _pid_of(opt) -> tuple[dict, dict]:
