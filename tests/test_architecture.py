@@ -25,6 +25,7 @@ LAYERS = [
     ("zerodp.optim",),
     ("zerodp.checkpoint",),
     ("zerodp.api", "zerodp"),
+    ("zerodp.integrations",),
     ("zerodp.demo",),
     ("zerodp.cli", "zerodp.__main__"),
 ]

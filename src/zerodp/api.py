@@ -20,7 +20,7 @@ from .optim import ZeroOptimizer
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
-from .sharding.model_state import install_state_dict_hooks
+from .sharding.model_state import install_state_dict_hooks, install_whole_load_hook
 from .sharding.meta_init import default_device, has_meta, materialize
 from .sharding.prepare import check_param_dtypes
 from .sharding.shard import flatten_groups, shard_units
@@ -113,8 +113,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                                     if torch.is_grad_enabled() else None)
         opt = ZeroOptimizer(inner, [[g] for g in flat.groups], comm, config, reducer, trainable=named,
                             group_indices=group_indices)
-        # The parameters are whole: torch's own state dict is right; a load moves the master.
-        model.register_load_state_dict_post_hook(lambda module, keys: opt.refresh_master_from_params())
+        install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
     _INITIALIZED.add(model)

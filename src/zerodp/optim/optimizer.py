@@ -55,7 +55,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               "params": [trainable[i][1] for i in idx]}
                              for g, idx in zip(inner.param_groups, group_indices)]
         # How state dicts cut the sharded states into DTensors: [Note: row shards].
-        self.rows = RowSharding(comm.topology, sharded=config.stage >= 1)
+        self.rows = RowSharding(comm, sharded=config.stage >= 1)
         self.grad_sync = grad_sync  # reducer (stages 0-2) or stage-3 engine: micro_step, grads_ready
         self.stage3 = stage3
         self.scaler = LossScaler.from_config(config)

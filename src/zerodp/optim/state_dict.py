@@ -74,12 +74,22 @@ def _pid_of(opt) -> tuple[dict, dict]:
     return pid, {n: pid[id(p)] for n, p in opt.trainable}
 
 
-def _state_keys(opt, group: list) -> list[str]:
-    """A param group's per-element state names. From all of the group's pieces on this
-    rank, so that every rank (each owning some of the group) finds the same names."""
-    keys = {k for shard in group for t in shard.master_tensors for k, v in opt.inner.state.get(t, {}).items()
-            if is_elementwise_state(v, t)}
-    return sorted(keys) + ([] if group[0].full_precision else [MASTER])
+def _agreed_states(opt) -> list[tuple[list[str], dict]]:
+    """Per param group: its per-element state names and its scalar states (Adam's step).
+    A rank may own no element of a small group (at stage 3, a few norm weights), and then
+    holds none of its states; the ranks pool what they hold (one small exchange), so every
+    rank runs the same collectives and writes the same entries."""
+    local = []
+    for group, scalars in zip(opt.shards, opt.scalar_states()):
+        keys = {k for shard in group for t in shard.master_tensors for k, v in opt.inner.state.get(t, {}).items()
+                if is_elementwise_state(v, t)}
+        local.append((sorted(keys), scalars))
+    if opt.comm.world_size > 1:
+        pooled = opt.comm.all_gather_object(local, "checkpoint", label="optimizer state names")
+        local = [(sorted({k for rank in pooled for k in rank[gi][0]}),
+                  next((rank[gi][1] for rank in pooled if rank[gi][1]), {})) for gi in range(len(local))]
+    return [(keys + ([] if group[0].full_precision else [MASTER]), scalars)
+            for (keys, scalars), group in zip(local, opt.shards)]
 
 
 def _piece_tensors(opt, shard, key: str) -> list[torch.Tensor]:
@@ -110,10 +120,10 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
     """The optimizer's state dict, as the module docstring describes (collective)."""
     _, pid_of_name = _pid_of(opt)
     state: dict = {}
-    scalars = opt.scalar_states()
+    agreed = _agreed_states(opt)
     for gi, group in enumerate(opt.shards):
-        keys = _state_keys(opt, group)
-        if not keys and not scalars[gi]:
+        keys, scalars = agreed[gi]
+        if not keys and not scalars:
             continue  # never stepped, or a stateless optimizer: no state, as torch's
         for shard in group:
             st = shard.storage
@@ -124,7 +134,7 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
                         values[i].clone(), st.layout.slots[i].shape)
             for i in st.indices:
                 entry = state.setdefault(pid_of_name[st.names[i]], {})
-                for k, v in scalars[gi].items():
+                for k, v in scalars.items():
                     entry[k] = torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
     pid_of = _pid_of(opt)[0]
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pid_of[id(p)] for p in g["params"]]}
@@ -157,8 +167,7 @@ def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
         return
     opt.materialize_state()
     plan = []
-    for group in opt.shards:
-        keys = _state_keys(opt, group)
+    for group, (keys, _) in zip(opt.shards, _agreed_states(opt)):
         for shard in group:
             st = shard.storage
             for key in keys:

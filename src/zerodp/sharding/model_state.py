@@ -17,11 +17,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .flat_unit import FlatUnit, UnitState
 from .rows import RowSharding, copy_owned, gather_runs, scatter_runs
 
-__all__ = ["install_state_dict_hooks", "full_unit_tensors"]
+__all__ = ["install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors"]
 
 
 def _aliases(model: nn.Module, units: list[FlatUnit]) -> dict[int, list[str]]:
@@ -117,3 +118,17 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
     model.register_state_dict_post_hook(state_dict_hook)
     model.register_load_state_dict_pre_hook(load_pre_hook)
     model.register_load_state_dict_post_hook(load_post_hook)
+
+
+def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: Callable[[], None]) -> None:
+    """Stages 0-2 hold the parameters whole, so torch's own state dict is right; loading
+    takes a sharded (DTensor) state dict too, gathered whole first, and `on_loaded` then
+    restarts the optimizer's fp32 master from the loaded parameters."""
+
+    def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs):
+        for key in sorted(k for k, v in state_dict.items() if isinstance(v, DTensor)):  # same order on every rank
+            state_dict[key] = rows.whole(state_dict[key], key)
+
+    model.register_load_state_dict_pre_hook(load_pre_hook)
+    model.register_load_state_dict_post_hook(lambda module, incompatible_keys: on_loaded())

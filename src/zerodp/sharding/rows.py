@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..distributed import Topology
+from ..distributed import Comm
 from ..distributed.collectives import Collectives
 from ..memory.layout import FlatLayout
 
@@ -36,10 +36,11 @@ __all__ = ["RowSharding", "gather_runs", "scatter_runs", "copy_owned"]
 class RowSharding:
     """How a sharded state dict cuts every parameter of one mesh into rows."""
 
-    def __init__(self, topology: Topology, sharded: bool):
+    def __init__(self, comm: Comm, sharded: bool):
         # Unsharded (stage 0, one rank on the shard axis, no process group): plain tensors,
         # which torch's checkpointing treats as replicated.
-        self.topology = topology
+        self.topology = topology = comm.topology
+        self.collectives = comm.collectives("shard")
         self.sharded = sharded and topology.mesh is not None and topology.shard_size > 1
         self.rank, self.size = topology.shard_rank, topology.shard_size
 
@@ -74,6 +75,21 @@ class RowSharding:
         stride = torch.empty(tuple(shape), device="meta").stride()
         return DTensor.from_local(local, self.topology.mesh, self._placements(shape), run_check=False,
                                   shape=torch.Size(shape), stride=stride)
+
+    def whole(self, value: torch.Tensor, name: str) -> torch.Tensor:
+        """A state dict value whole: a DTensor cut as `wrap` cuts it is all-gathered along the
+        shard axis (padded rows, equal chunks), any other DTensor gathered by torch."""
+        shape = tuple(value.shape)
+        kind, flat = self.unwrap(value, shape, name)
+        if kind == "full":
+            return flat.view(shape)
+        rows, inner = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        per = -(-rows // self.size) * inner
+        mine = torch.zeros(per, dtype=flat.dtype, device=flat.device)
+        mine[: flat.numel()].copy_(flat)
+        out = torch.empty(per * self.size, dtype=flat.dtype, device=flat.device)
+        self.collectives.all_gather(out, mine, "checkpoint", label=name)
+        return out[: math.prod(shape)].view(shape)
 
     def unwrap(self, value: torch.Tensor, shape: Sequence[int], name: str) -> tuple[str, torch.Tensor]:
         """("rows", this rank's rows, flat) for a DTensor cut as `wrap` cuts it, else

@@ -1,0 +1,213 @@
+"""The state_dict protocol, run inside one spawned world per world size (test_state_dict.py).
+
+World 2 trains, saves with torch.distributed.checkpoint (DCP) through `get_state_dict`,
+trains on (the uninterrupted runs), and checks in-memory round trips, full state dicts
+against torch DDP, save_pretrained and bad input; world 4 loads world 2's DCP checkpoints
+at another stage and trains on. Cases return plain values; the tests assert on them.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from checkpoint_cases import LM, TRAIN, adamw_groups, config, error_of, fixed_batch, full_state, sgd, train  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import zerodp  # noqa: E402
+
+# (tag, stage saved at N=2, stage loaded at N=4, mixed precision, optimizer)
+DCP_CASES = [("s3_to_s2", 3, 2, "fp32", adamw_groups), ("s1_to_s3", 1, 3, "fp32", adamw_groups),
+             ("s2_to_s3_sgd", 2, 3, "fp32", sgd)]
+
+
+def build(stage, precision="fp32", opt_fn=adamw_groups, seed=0):
+    torch.manual_seed(seed)
+    return zerodp.initialize(LM(), opt_fn, config(stage, mixed_precision=precision))
+
+
+def dcp_save(model, opt, path):
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def dcp_load(model, opt, path):
+    msd, osd = get_state_dict(model, opt)  # templates: this world's shapes and rows
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def kinds(sd: dict) -> dict:
+    return {k: type(v).__name__ for k, v in sd.items()}
+
+
+def describe_state_dicts(rank):
+    """What each stage's state dicts hold: DTensors only where the state is sharded."""
+    out = {}
+    for stage in (0, 1, 3):
+        model, opt = build(stage)
+        train(model, opt, 1, fixed_batch)
+        osd = opt.state_dict()
+        first = osd["state"][0]
+        out[stage] = {"model": kinds(model.state_dict()), "optim": {k: type(v).__name__ for k, v in first.items()},
+                      "optim_keys": sorted(osd["state"]), "groups": [g["params"] for g in osd["param_groups"]],
+                      "rows": {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()
+                               if isinstance(v, DTensor)}}
+    return out
+
+
+def dcp_worlds_save(root, rank):
+    """Train TRAIN steps, DCP-save, train TRAIN more: what the loaders at N=4 must reproduce."""
+    out = {}
+    for tag, stage, _, precision, opt_fn in DCP_CASES:
+        model, opt = build(stage, precision, opt_fn)
+        train(model, opt, TRAIN, fixed_batch)
+        dcp_save(model, opt, os.path.join(root, tag))
+        at_save = full_state(model)
+        losses = train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
+        out[tag] = {"at_save": at_save, "end": full_state(model), "losses": losses}
+    return out
+
+
+def dcp_worlds_load(root, rank):
+    out = {}
+    for tag, _, stage, precision, opt_fn in DCP_CASES:
+        model, opt = build(stage, precision, opt_fn, seed=123)  # everything must come from the checkpoint
+        dcp_load(model, opt, os.path.join(root, tag))
+        after_load = full_state(model)
+        losses = train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
+        out[tag] = {"after_load": after_load, "end": full_state(model), "losses": losses}
+    return out
+
+
+def copied(sd):
+    """A deep copy of a state dict (DTensors included): the source keeps training."""
+    return copy.deepcopy(sd)
+
+
+def memory_round_trips(rank):
+    """state_dict() -> load_state_dict() into a fresh model at another stage (same N): the
+    next steps equal the uninterrupted run's; bf16 restores the fp32 master exactly."""
+    out = {}
+    for tag, stage, other, precision in [("s3_to_s1", 3, 1, "fp32"), ("s2_to_s3_bf16", 2, 3, "bf16"),
+                                         ("s3_to_s3_bf16", 3, 3, "bf16")]:
+        model, opt = build(stage, precision)
+        train(model, opt, TRAIN, fixed_batch)
+        msd, osd = copied(model.state_dict()), copied(opt.state_dict())
+        masters = {(s.name, s.start): s.master.clone() for s in opt.owned_slices()}
+        end_losses = train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
+        end = full_state(model)
+        fresh, fopt = build(other, precision, seed=123)
+        fresh.load_state_dict(msd)
+        fopt.load_state_dict(osd)
+        fresh_masters = {(s.name, s.start): s.master.clone() for s in fopt.owned_slices()}
+        losses = train(fresh, fopt, TRAIN, fixed_batch, first_step=TRAIN)
+        same_layout = stage == other
+        out[tag] = {"end": end, "fresh_end": full_state(fresh), "losses": end_losses, "fresh_losses": losses,
+                    "master_keys": [k for k in osd["state"][0] if k == "master"],
+                    "masters_equal": same_layout and all(torch.equal(masters[k], v) for k, v in fresh_masters.items())}
+    return out
+
+
+def ddp_reference(rank, world_size):
+    """torch DDP on the same model, optimizer and data: the full state dict to match."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    lm = LM()
+    ddp = DDP(lm)
+    opt = adamw_groups(p for p in ddp.parameters() if p.requires_grad)
+    for step in range(TRAIN):
+        x, y = fixed_batch(step, rank, world_size)
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in lm.state_dict().items()}
+
+
+def full_state_dicts(rank, world_size):
+    """zerodp's and torch's full state dicts at every stage, against DDP's model."""
+    ref = ddp_reference(rank, world_size)
+    out = {"ref": ref if rank == 0 else None}
+    for stage in (0, 1, 2, 3):
+        model, opt = build(stage)
+        train(model, opt, TRAIN, fixed_batch)
+        ours = zerodp.full_state_dict(model, opt, rank0_only=True)
+        torchs = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        mine = zerodp.full_state_dict(model, opt)  # every rank
+        out[stage] = {"ours": ours, "torch": torchs, "all_ranks_keys": sorted(mine),
+                      "tied_shared": mine["gpt.lm_head.weight"] is mine["gpt.transformer.wte.weight"]}
+    return out
+
+
+def bad_inputs(rank):
+    """Each wrong state dict raises, naming what is wrong, and changes nothing."""
+    model, opt = build(3)
+    train(model, opt, 1, fixed_batch)
+    before = full_state(model)
+    good_m, good_o = copied(model.state_dict()), copied(opt.state_dict())
+    wrong_shape = {k: (torch.zeros(3, 3) if k == "gpt.transformer.h.0.mlp.c_fc.weight" else v)
+                   for k, v in good_m.items()}
+    fewer_groups = {"state": good_o["state"], "param_groups": good_o["param_groups"][:1]}
+    no_state = {"state": {k: {kk: vv for kk, vv in v.items() if kk != "exp_avg"} for k, v in good_o["state"].items()},
+                "param_groups": good_o["param_groups"]}
+    plain = LM()
+    out = {"wrong_shape": error_of(lambda: model.load_state_dict(wrong_shape)),
+           "fewer_groups": error_of(lambda: opt.load_state_dict(fewer_groups)),
+           "missing_state": error_of(lambda: opt.load_state_dict(no_state)),
+           "not_a_dict": error_of(lambda: opt.load_state_dict([1, 2])),
+           # A sharded state dict into a plain model: torch refuses to mix DTensor and Tensor.
+           "into_plain_model": error_of(lambda: plain.load_state_dict(good_m))}
+    out["unchanged"] = all(torch.equal(before[k], v) for k, v in full_state(model).items())
+    return out
+
+
+def hf_save_pretrained(root, rank):
+    """save_pretrained -> from_pretrained into a plain model equals the gathered
+    parameters: tied GPT-2 and untied Llama, stages 2 and 3."""
+    from hf_cases import gpt2, llama
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, make in (("gpt2", gpt2), ("llama", llama)):
+        for stage in (2, 3):
+            torch.manual_seed(0)
+            model, opt = zerodp.initialize(make(), torch.optim.AdamW, zerodp.Config(stage=stage), lr=1e-2)
+            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+            for _ in range(2):
+                opt.backward(model(input_ids=ids, labels=ids).loss)
+                opt.step()
+                opt.zero_grad()
+            path = os.path.join(root, f"{name}_s{stage}")
+            zerodp.save_pretrained(model, path, opt)
+            with zerodp.gathered_parameters(model):
+                gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
+            case = {"files": sorted(os.listdir(path))}
+            if rank == 0:
+                plain = AutoModelForCausalLM.from_pretrained(path)
+                loaded = dict(plain.named_parameters())
+                case["equal"] = all(torch.equal(loaded[n], v) for n, v in gathered.items())
+                case["names"] = sorted(loaded) == sorted(gathered)
+                case["tied"] = plain.get_output_embeddings().weight is plain.get_input_embeddings().weight
+            out[f"{name}_s{stage}"] = case
+    return out
+
+
+def world_two(rank, world_size, root):
+    return {"describe": describe_state_dicts(rank), "dcp": dcp_worlds_save(root, rank),
+            "memory": memory_round_trips(rank), "full": full_state_dicts(rank, world_size),
+            "bad": bad_inputs(rank), "pretrained": hf_save_pretrained(root, rank)}
+
+
+def world_four(rank, world_size, root):
+    out = {"dcp": dcp_worlds_load(root, rank)}
+    dist.barrier()
+    return out

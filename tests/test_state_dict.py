@@ -1,0 +1,107 @@
+"""The state_dict protocol: DTensor state dicts that torch.distributed.checkpoint saves and
+reshards, full state dicts equal to DDP's, in-memory round trips, save_pretrained, bad input.
+
+Two worlds run once, N=2 then N=4, over one shared directory; the cases are in
+state_dict_cases.py.
+"""
+import pytest
+import torch
+from checkpoint_cases import max_rel
+from harness import run_world
+
+# fp32: runs at different world sizes or stages differ only in the order gloo sums the
+# per-rank gradients (a few ulps per step); Adam keeps that relative, so after 3 steps
+# every tensor agrees within 1e-6 relative (test_checkpoint.py's bound, same model).
+FP32_TOL = 1e-6
+# bf16 at the same world size: the same sums in the same order, but a stage-2 and a stage-3
+# run round their bf16 parameters at different moments of the step only if the layout of
+# the shards differs; the master is restored exactly, so the runs agree to bf16 rounding
+# of a few steps' updates.
+BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("sd"))
+    import state_dict_cases as cases
+
+    return {"w2": run_world(2, cases.world_two, root, timeout_s=300),
+            "w4": run_world(4, cases.world_four, root, timeout_s=200)}
+
+
+def test_state_dicts_are_dtensors_where_sharded(worlds):
+    d = worlds["w2"][0]["describe"]
+    # Stages 0-2 hold the parameters whole: torch's plain tensors; stage 3 DTensors.
+    assert set(d[0]["model"].values()) == {"Tensor"} and set(d[1]["model"].values()) == {"Tensor"}
+    trainable = [k for k in d[3]["model"] if k not in ("out_bias", "temperature")]
+    assert {d[3]["model"][k] for k in trainable} == {"DTensor"}
+    assert d[3]["model"]["out_bias"] == "Tensor" and d[3]["model"]["temperature"] == "Tensor"
+    # Each rank holds its rows: wte is 256 x 32, so 128 rows each.
+    assert d[3]["rows"]["gpt.transformer.wte.weight"] == (128, 32)
+    # Optimizer states: replicated at stage 0, DTensors once sharded; step stays a plain scalar.
+    assert d[0]["optim"] == {"exp_avg": "Tensor", "exp_avg_sq": "Tensor", "step": "Tensor"}
+    assert d[1]["optim"] == {"exp_avg": "DTensor", "exp_avg_sq": "DTensor", "step": "Tensor"}
+    # Keys number the model's parameters in param-group order, as torch's optimizers do.
+    for stage in (0, 1, 3):
+        groups = d[stage]["groups"]
+        assert sum(groups, []) == list(range(sum(map(len, groups))))
+        assert d[stage]["optim_keys"] == sum(groups, [])
+
+
+@pytest.mark.parametrize("tag", ["s3_to_s2", "s1_to_s3", "s2_to_s3_sgd"])
+def test_dcp_save_at_two_loads_at_four_at_another_stage(worlds, tag):
+    saver = worlds["w2"][0]["dcp"][tag]
+    for loader in (w["dcp"][tag] for w in worlds["w4"]):
+        # The checkpoint's values exactly ...
+        for k, v in saver["at_save"].items():
+            assert torch.equal(loader["after_load"][k], v), k
+        # ... and training on continues the uninterrupted run (each rank's loss is of its own
+        # slice of the global batch, which differs between N=2 and N=4: the parameters compare).
+        assert max_rel(loader["end"], saver["end"]) <= FP32_TOL
+
+
+@pytest.mark.parametrize("tag", ["s3_to_s1", "s2_to_s3_bf16", "s3_to_s3_bf16"])
+def test_in_memory_round_trip_equals_uninterrupted(worlds, tag):
+    for w in worlds["w2"]:
+        case = w["memory"][tag]
+        tol = BF16_TOL if "bf16" in tag else FP32_TOL
+        assert max_rel(case["fresh_end"], case["end"]) <= tol
+        assert case["fresh_losses"] == pytest.approx(case["losses"], rel=tol)
+    if "bf16" in tag:  # the fp32 master travels in the optimizer's state dict
+        assert worlds["w2"][0]["memory"][tag]["master_keys"] == ["master"]
+    if tag == "s3_to_s3_bf16":  # same layout: every master element restored bit for bit
+        assert all(w["memory"][tag]["masters_equal"] for w in worlds["w2"])
+    if tag == "s3_to_s1":
+        assert worlds["w2"][0]["memory"][tag]["master_keys"] == []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_full_state_dict_equals_ddp(worlds, stage):
+    ref = worlds["w2"][0]["full"]["ref"]
+    for source in ("ours", "torch"):
+        full = worlds["w2"][0]["full"][stage][source]
+        assert list(full) == list(ref)  # the model's own names, in its order, tied ones included
+        assert all(full[k].shape == v.shape for k, v in ref.items())
+        assert max_rel(full, ref) <= FP32_TOL
+    assert worlds["w2"][1]["full"][stage]["ours"] == {}  # rank0_only
+    assert worlds["w2"][1]["full"][stage]["all_ranks_keys"] == sorted(ref)
+    assert worlds["w2"][0]["full"][stage]["tied_shared"]
+
+
+def test_bad_state_dicts_raise_and_change_nothing(worlds):
+    for w in worlds["w2"]:
+        bad = w["bad"]
+        assert "gpt.transformer.h.0.mlp.c_fc.weight" in bad["wrong_shape"] and "(3, 3)" in bad["wrong_shape"]
+        assert bad["fewer_groups"].startswith("ValueError") and "param groups" in bad["fewer_groups"]
+        assert "'exp_avg'" in bad["missing_state"]
+        assert bad["not_a_dict"].startswith("ValueError")
+        assert bad["into_plain_model"] is not None and "DTensor" in bad["into_plain_model"]
+        assert bad["unchanged"]
+
+
+@pytest.mark.parametrize("case", ["gpt2_s2", "gpt2_s3", "llama_s2", "llama_s3"])
+def test_save_pretrained_loads_into_plain_model(worlds, case):
+    got = worlds["w2"][0]["pretrained"][case]
+    assert "model.safetensors" in got["files"] and "config.json" in got["files"]
+    assert got["names"] and got["equal"]
+    assert got["tied"] == case.startswith("gpt2")
