@@ -201,10 +201,96 @@ def hf_save_pretrained(root, rank):
     return out
 
 
+class Odd(torch.nn.Module):
+    """What trips a state dict: a 0-d parameter first on the root (its states are 0-d too),
+    a (1, 5) one (fewer rows than ranks), a tied pair, a frozen one, two param groups
+    sharing every unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(0.7))
+        self.small = torch.nn.Parameter(torch.randn(1, 5))
+        self.emb = torch.nn.Embedding(11, 5)
+        self.lin = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(5, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+
+    def forward(self, idx):
+        h = self.lin(self.emb(idx) * self.scale + self.small + self.frozen)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), idx.flatten())
+
+
+def odd_groups(params):
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim == 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=3e-2)
+
+
+def odd_run(stage, precision, steps, model=None, opt=None, first=0, seed=0):
+    if model is None:
+        torch.manual_seed(seed)
+        # fp16: the scale grows every 2 clean steps, so a lost scaler state would show.
+        cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_min_params=1, loss_scale_growth_interval=2)
+        model, opt = zerodp.initialize(Odd(), odd_groups, cfg)
+    losses = []
+    for step in range(first, first + steps):
+        idx = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(100 * step + opt.comm.rank))
+        loss = model(idx)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return model, opt, losses
+
+
+def masters_of(opt):
+    return {(s.name, s.start): s.master.clone() for s in opt.owned_slices()}
+
+
+def hard_cases(root, rank):
+    """The cases a review found: each once wrong, each now exact."""
+    out = {}
+    for stage, precision in [(3, "bf16"), (3, "fp16"), (1, "bf16"), (3, "fp32")]:
+        tag = f"s{stage}_{precision}"
+        model, opt, _ = odd_run(stage, precision, 3)
+        path = os.path.join(root, f"odd_{tag}")
+        dcp_save(model, opt, path)
+        saved_masters, saved_scale = masters_of(opt), opt.scaler.scale
+        _, _, straight = odd_run(stage, precision, 3, model, opt, first=3)
+        # torch's set_state_dict loads the optimizer first, then the model.
+        fresh, fopt, _ = odd_run(stage, precision, 0, seed=5)
+        dcp_load(fresh, fopt, path)
+        loaded_masters = masters_of(fopt)
+        out[tag] = {"masters_exact": loaded_masters.keys() == saved_masters.keys() and
+                    all(torch.equal(v, saved_masters[k]) for k, v in loaded_masters.items()),
+                    "scale": (saved_scale, fopt.scaler.scale),
+                    "resumed": odd_run(stage, precision, 3, fresh, fopt, first=3)[2], "straight": straight}
+    # DCP into stage 1 (where torch's own state probe never steps): the states arrive.
+    model, opt, _ = odd_run(3, "fp32", 3)
+    dcp_save(model, opt, os.path.join(root, "odd_to_s1"))
+    _, _, straight = odd_run(3, "fp32", 2, model, opt, first=3)
+    s1, s1opt, _ = odd_run(1, "fp32", 0, seed=5)
+    dcp_load(s1, s1opt, os.path.join(root, "odd_to_s1"))
+    out["to_stage1"] = {"steps": [g.get("step") for g in s1opt.scalar_states()],
+                        "resumed": odd_run(1, "fp32", 2, s1, s1opt, first=3)[2], "straight": straight}
+    # A never-stepped bf16 optimizer's state dict loads.
+    fresh, fopt, _ = odd_run(3, "bf16", 0)
+    sd = copied(fopt.state_dict())
+    other, oopt, _ = odd_run(3, "bf16", 0, seed=5)
+    out["never_stepped"] = error_of(lambda: oopt.load_state_dict(sd))
+    # A scheduler built before initialize would drive the wrapped optimizer: refused.
+    lm = LM()
+    plain = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 0.5)
+    out["scheduler_first"] = error_of(lambda: zerodp.initialize(lm, lambda params: plain, config(2)))
+    return out
+
+
 def world_two(rank, world_size, root):
     return {"describe": describe_state_dicts(rank), "dcp": dcp_worlds_save(root, rank),
             "memory": memory_round_trips(rank), "full": full_state_dicts(rank, world_size),
-            "bad": bad_inputs(rank), "pretrained": hf_save_pretrained(root, rank)}
+            "bad": bad_inputs(rank), "pretrained": hf_save_pretrained(root, rank), "hard": hard_cases(root, rank)}
 
 
 def world_four(rank, world_size, root):

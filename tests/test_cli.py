@@ -208,22 +208,34 @@ def test_estimate_fits(capsys):
     (["launch", "--nnodes", "2", "x.py"], "needs --rdzv-endpoint"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
-def test_usage_errors_are_one_line(argv, expected):
-    proc = zerodp_cmd(*argv, timeout=60)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+def test_usage_errors_are_one_line(argv, expected, capsys):
+    # In this process (the command line's own main); the entry point itself is run below.
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert expected in lines[0] and lines[0].startswith("zerodp")
 
 
-def test_help():
+def test_usage_error_from_the_entry_point():
+    proc = zerodp_cmd("train", "--stage", "7", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [l for l in proc.stderr.strip().splitlines() if "invalid choice: 7" in l]
+
+
+def test_help(capsys):
     proc = zerodp_cmd("--help", timeout=60)
     assert proc.returncode == 0
     for command in ("train", "estimate", "launch", "bench", "export"):
         assert command in proc.stdout
-    proc = zerodp_cmd("train", "--help", timeout=60)
-    assert proc.returncode == 0 and "--grad-accum" in proc.stdout
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0 and "--grad-accum" in capsys.readouterr().out
 
 
 def test_launch_command_line():

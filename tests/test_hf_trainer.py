@@ -43,8 +43,7 @@ def by_step(history: list, key: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
-    out = {"ddp": launch(tmp / "ddp", "--ddp"), "z3": launch(tmp / "z3", "--stage", 3),
-           "z1": launch(tmp / "z1", "--stage", 1)}
+    out = {"ddp": launch(tmp / "ddp", "--ddp"), "z3": launch(tmp / "z3", "--stage", 3)}
     # Resume: drop the step-6 checkpoint and go on from step 3's.
     import shutil
 
@@ -54,7 +53,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("run", ["z3", "z1"])
+@pytest.mark.parametrize("run", ["z3"])
 def test_trainer_matches_ddp(runs, run):
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         ours, ref = by_step(runs[run], key), by_step(runs["ddp"], key)

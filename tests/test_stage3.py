@@ -157,13 +157,13 @@ def test_debug_mode_names_diverging_unit(world):
 
 
 def test_born_sharded_model_larger_than_a_rank():
-    # 49 x Linear(4096, 4096) = 822M parameters, 3.1 GiB of fp32 weights, at world size 4.
-    results = run_world(4, big_model_world, 4096, 49, timeout_s=500)
+    # 25 x Linear(4096, 4096) = 420M parameters, 1.6 GiB of fp32 weights, at world size 4.
+    results = run_world(4, big_model_world, 4096, 25, timeout_s=500)
     for r in results:
-        assert r["full_nbytes"] >= 3 * 2**30
+        assert r["full_nbytes"] >= 1.5 * 2**30
         assert r["shard_nbytes"] == r["full_nbytes"] // 4
-        # The rank holds its quarter plus the interpreter; never the whole model.
-        assert r["peak_rss"] < 0.5 * r["full_nbytes"], r
+        # Building it adds the rank's quarter and a unit in flight; never the whole model.
+        assert r["peak_rss"] - r["base_rss"] < 0.5 * r["full_nbytes"], r
 
 
 def test_born_on_meta_below_stage_3_is_materialised_whole():

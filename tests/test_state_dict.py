@@ -105,3 +105,32 @@ def test_save_pretrained_loads_into_plain_model(worlds, case):
     assert "model.safetensors" in got["files"] and "config.json" in got["files"]
     assert got["names"] and got["equal"]
     assert got["tied"] == case.startswith("gpt2")
+
+
+@pytest.mark.parametrize("tag", ["s3_bf16", "s3_fp16", "s1_bf16", "s3_fp32"])
+def test_dcp_round_trip_is_exact_with_awkward_parameters(worlds, tag):
+    # A 0-d parameter first in its group, a (1, 5) one at N=2, tied and frozen weights, two
+    # param groups per unit; torch's set_state_dict loads the optimizer before the model,
+    # and the model's load keeps the exact fp32 master where it still rounds to the weights.
+    for w in worlds["w2"]:
+        case = w["hard"][tag]
+        assert case["masters_exact"]
+        assert case["resumed"] == case["straight"]  # same N, same stage: bit for bit
+        if tag == "s3_fp16":  # the loss scale, moved off its initial 2**16, travels in the state dict
+            assert case["scale"][1] == case["scale"][0] != 2.0**16
+
+
+def test_dcp_into_stage_1_restores_the_optimizer_states(worlds):
+    for w in worlds["w2"]:
+        case = w["hard"]["to_stage1"]
+        assert case["steps"] == [3.0, 3.0]
+        assert case["resumed"] == pytest.approx(case["straight"], rel=FP32_TOL)
+
+
+def test_never_stepped_mixed_precision_state_dict_loads(worlds):
+    assert all(w["hard"]["never_stepped"] is None for w in worlds["w2"])
+
+
+def test_scheduler_built_before_initialize_is_refused(worlds):
+    err = worlds["w2"][0]["hard"]["scheduler_first"]
+    assert err.startswith("ValueError") and "LR scheduler" in err and "initialize returns" in err

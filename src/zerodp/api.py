@@ -52,6 +52,10 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
         raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
                          f"move the model to one device before zerodp.initialize")
     inner = build_optimizer(optimizer, [p for _, p in named], optimizer_kwargs)
+    if hasattr(inner.step, "_wrapped_by_lr_sched"):  # torch's LRScheduler marks the step it wraps
+        raise ValueError(f"an LR scheduler was built on this {type(inner).__name__} before zerodp.initialize; "
+                         f"it would drive the optimizer zerodp wraps, not the one it returns. Build the "
+                         f"scheduler on the optimizer zerodp.initialize returns")
     return inner, grouped_params(inner, named), describe(model, inner, config)
 
 

@@ -70,16 +70,27 @@ def check_ranks_agree(comm: Comm, described: Optional[dict[str, Any]], problem: 
     rank, named on the others) or if any rank's description differs from rank 0's."""
     mine = {"problem": None if problem is None else f"{type(problem).__name__}: {problem}", "described": described}
     everyone = comm.all_gather_object(mine, label="zerodp.initialize agreement")
-    failed = [(r, d["problem"]) for r, d in enumerate(everyone) if d["problem"] is not None]
-    if problem is not None:
-        raise problem
-    if failed:
-        raise RuntimeError(f"rank {comm.rank}: zerodp.initialize failed on rank {failed[0][0]}"
-                           f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}: {failed[0][1]}")
+    _raise_first_failure(comm, problem, [d["problem"] for d in everyone], "zerodp.initialize")
     differs = first_disagreement([d["described"] for d in everyone])
     if differs:
         raise ValueError(f"rank {comm.rank}: ranks disagree on the {differs}. Every rank must build the "
                          f"same model, optimizer and Config before zerodp.initialize")
+
+
+def raise_if_any_failed(comm: Comm, problem: Optional[BaseException], what: str, phase: str = "control") -> None:
+    """After a check each rank ran alone (`problem`: its error, or None): raise on every
+    rank if any failed, before a collective that the failed ones would never join."""
+    mine = None if problem is None else f"{type(problem).__name__}: {problem}"
+    _raise_first_failure(comm, problem, comm.all_gather_object(mine, phase, label=what), what)
+
+
+def _raise_first_failure(comm: Comm, problem: Optional[BaseException], problems: list, what: str) -> None:
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise RuntimeError(f"rank {comm.rank}: {what} failed on rank {failed[0][0]}"
+                           f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}: {failed[0][1]}")
 
 
 def first_disagreement(everyone: list[dict[str, Any]]) -> Optional[str]:

@@ -72,6 +72,10 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if isinstance(self.optimizer, ZeroOptimizer):
             return self.optimizer
+        if self.lr_scheduler is not None:
+            raise ValueError("Trainer(optimizers=(optimizer, scheduler)): the scheduler drives the plain optimizer, "
+                             "which zerodp wraps. Pass optimizers=(optimizer, None) and let the Trainer build the "
+                             "schedule (lr_scheduler_type), or override create_scheduler")
         plain = super().create_optimizer(model)
         config = dataclasses.replace(self.zerodp_config,
                                      grad_accumulation_steps=self.args.gradient_accumulation_steps)

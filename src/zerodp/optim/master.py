@@ -102,9 +102,13 @@ class MasterShard:
                 self.placement.write_back(m, param)
 
     def refresh_from_params(self) -> None:
+        """Restart the master from parameters changed by hand or by a load: only where it no
+        longer rounds to the parameter, so a master restored exactly (an optimizer state
+        dict loaded before the model's, as torch's set_state_dict does) is kept."""
         if not self.full_precision:
             for m, param in zip(self.master_tensors, self.storage.owned_params()):
-                m.copy_(param.reshape(-1))
+                p = param.reshape(-1)
+                m.copy_(torch.where(m.to(p.dtype) != p, p.float(), m))
 
 
 def runs_of_bytes(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:

@@ -192,6 +192,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward before step()")
         self._run_step_hooks(post=False)
+        self._last_skipped = False
         if self._is_state_probe():
             self.materialize_state()
             for g in self.param_groups:

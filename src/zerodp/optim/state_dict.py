@@ -18,6 +18,7 @@ from itertools import chain
 
 import torch
 
+from ..distributed.agreement import raise_if_any_failed
 from ..memory.ledger import is_elementwise_state
 from ..sharding.rows import RowSharding, copy_owned, gather_runs, scatter_runs
 
@@ -115,16 +116,22 @@ def _local_values(rows: RowSharding, shard, tensors: list[torch.Tensor], device)
     return {i: flat[layout.slots[i].offset: layout.slots[i].offset + layout.slots[i].numel] for i in st.indices}
 
 
+# Under fp16 the loss scaler travels as scalar states of every parameter: torch's checkpoint
+# helpers keep only "state" and "param_groups" of an optimizer state dict.
+SCALER_PREFIX = "loss_scaler."
+
+
 @torch.no_grad()
 def sharded_state_dict(opt, rows: RowSharding) -> dict:
-    """The optimizer's state dict, as the module docstring describes (collective)."""
-    _, pid_of_name = _pid_of(opt)
+    """The optimizer's state dict, as the module docstring describes (collective). States
+    that the first step would create are created first (`materialize_state`), so that a
+    never-stepped optimizer's state dict has every entry a loaded one must fill."""
+    opt.materialize_state()
+    pid_of, pid_of_name = _pid_of(opt)
+    scaler = {SCALER_PREFIX + k: torch.tensor(float(v)) for k, v in opt.scaler.state_dict().items()} \
+        if opt.config.uses_loss_scaling else {}
     state: dict = {}
-    agreed = _agreed_states(opt)
-    for gi, group in enumerate(opt.shards):
-        keys, scalars = agreed[gi]
-        if not keys and not scalars:
-            continue  # never stepped, or a stateless optimizer: no state, as torch's
+    for gi, (group, (keys, scalars)) in enumerate(zip(opt.shards, _agreed_states(opt))):
         for shard in group:
             st = shard.storage
             for key in keys:
@@ -136,10 +143,10 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
                 entry = state.setdefault(pid_of_name[st.names[i]], {})
                 for k, v in scalars.items():
                     entry[k] = torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
-    pid_of = _pid_of(opt)[0]
+                entry.update(scaler)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pid_of[id(p)] for p in g["params"]]}
               for g in opt.param_groups]
-    return {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+    return {"state": {k: v for k, v in sorted(state.items()) if v}, "param_groups": groups}
 
 
 def _check_structure(opt, sd) -> None:
@@ -153,21 +160,18 @@ def _check_structure(opt, sd) -> None:
                          f"model and param groups")
 
 
-@torch.no_grad()
-def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
-    """Restore what `sharded_state_dict` returned (or its full form), then publish the
-    parameters. Raises before changing anything when the structure does not match."""
+def _plan_load(opt, sd: dict, rows: RowSharding) -> tuple[list, list, dict]:
+    """Check `sd` against this optimizer; (what to write, each group's scalar states, the
+    loss scaler's state). Raises, changing nothing, when anything is missing or mis-shaped."""
     _check_structure(opt, sd)
     _, pid_of_name = _pid_of(opt)
-    entries = {}
-    for k, v in sd["state"].items():
-        entries[pid_of_name[k] if isinstance(k, str) and k in pid_of_name else k] = v
-    if not entries:  # a never-stepped optimizer: nothing to restore but its hyperparameters
-        _restore_hyperparameters(opt, sd["param_groups"])
-        return
-    opt.materialize_state()
-    plan = []
-    for group, (keys, _) in zip(opt.shards, _agreed_states(opt)):
+    entries = {pid_of_name.get(k, k) if isinstance(k, str) else k: v for k, v in sd["state"].items()}
+    plan, scalars_out = [], []
+    for group, (keys, scalars) in zip(opt.shards, _agreed_states(opt)):
+        names = [st.names[i] for st in (s.storage for s in group) for i in st.indices]
+        first = entries.get(pid_of_name[names[0]], {}) if names else {}
+        scalars_out.append({k: float(first[k]) if torch.is_tensor(first[k]) else first[k]
+                            for k in scalars if k in first})
         for shard in group:
             st = shard.storage
             for key in keys:
@@ -182,13 +186,30 @@ def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
                     found[i] = rows.unwrap(entry[key], st.layout.slots[i].shape, f"{st.names[i]}.{key}")
                 else:
                     plan.append((shard, key, found))
+    first_entry = next(iter(entries.values()), {})
+    scaler = {k[len(SCALER_PREFIX):]: float(v) for k, v in first_entry.items() if k.startswith(SCALER_PREFIX)}
+    return plan, scalars_out, scaler
+
+
+@torch.no_grad()
+def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
+    """Restore what `sharded_state_dict` returned (or its full form), then publish the
+    parameters. A bad state dict raises on every rank (they compare notes first), before
+    anything changes."""
+    opt.materialize_state()
+    plan, problem = None, None
+    try:
+        plan = _plan_load(opt, sd, rows)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        problem = e
+    raise_if_any_failed(opt.comm, problem, "optimizer.load_state_dict", "checkpoint")
+    writes, scalars, scaler = plan
     _restore_hyperparameters(opt, sd["param_groups"])
-    for shard, key, found in plan:
+    for shard, key, found in writes:
         _write_values(rows, shard, _piece_tensors(opt, shard, key), found, opt.comm.device)
-    # torch's optimizers keep a group's scalar states (Adam's step) equal: take its first parameter's.
-    first = [entries.get(pid_of_name[g[0].storage.names[g[0].storage.indices[0]]], {}) for g in opt.shards]
-    opt.load_scalar_states([{k: float(v) if torch.is_tensor(v) else v for k, v in e.items()
-                             if not (torch.is_tensor(v) and v.dim() > 0)} for e in first])
+    opt.load_scalar_states(scalars)
+    if scaler and opt.config.uses_loss_scaling:
+        opt.scaler.load_state_dict(scaler)
     opt.sync_params_from_master("checkpoint")
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..distributed.agreement import raise_if_any_failed
 from .flat_unit import FlatUnit, UnitState
 from .rows import RowSharding, copy_owned, gather_runs, scatter_runs
 
@@ -50,13 +51,13 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
 
     # A gathered unit (inside gathered_parameters) holds its parameters whole, in place:
     # torch's own state dict and load are right for it, so the hooks leave it alone.
-    keep_vars: list = []
+    asked_for_vars = [False]  # state_dict(keep_vars=...) of the call in progress
 
-    def state_dict_pre_hook(module, prefix, keep):
-        keep_vars.append(keep)
+    def state_dict_pre_hook(module, prefix, keep_vars):
+        asked_for_vars[0] = keep_vars
 
     def state_dict_hook(module, state_dict, prefix, local_metadata):
-        if keep_vars.pop() if keep_vars else False:
+        if asked_for_vars[0]:
             return
         for u in units:
             if u.empty or u.state is not UnitState.SHARDED:
@@ -72,21 +73,31 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                     if prefix + name in state_dict:
                         state_dict[prefix + name] = value
 
+    def _found(state_dict, prefix) -> list:
+        """(unit, {slot: (kind, value)}) of every sharded unit the state dict has keys of."""
+        out = []
+        for u in units:
+            if u.state is not UnitState.SHARDED:
+                continue
+            found = {}
+            for i, p in enumerate(u.params):
+                key = next((prefix + n for n in aliases[id(p)] if prefix + n in state_dict), None)
+                if key is not None:
+                    found[i] = rows.unwrap(state_dict[key], u.layout.slots[i].shape, key)
+            if found:
+                out.append((u, found))
+        return out
+
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
-        changed = False
+        todo, problem = [], None
+        try:
+            todo = _found(state_dict, prefix)
+        except Exception as e:  # noqa: BLE001 - raised on every rank, before any collective
+            problem = e
+        raise_if_any_failed(rows.comm, problem, "model.load_state_dict", "checkpoint")
         with torch.no_grad():
-            for u in units:
-                if u.state is not UnitState.SHARDED:
-                    continue
-                found = {}
-                for i, p in enumerate(u.params):
-                    key = next((prefix + n for n in aliases[id(p)] if prefix + n in state_dict), None)
-                    if key is not None:
-                        found[i] = rows.unwrap(state_dict[key], u.layout.slots[i].shape, key)
-                if not found:
-                    continue
-                changed = True
+            for u, found in todo:
                 by_rows = {i: (rows.row_range(u.layout.slots[i].shape)[0], v)
                            for i, (kind, v) in found.items() if kind == "rows"}
                 if by_rows:  # the same keys on every rank: each holds its rows
@@ -104,7 +115,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                     for n in aliases[id(p)]:
                         if prefix + n in state_dict:
                             state_dict[prefix + n] = p.detach()
-        if changed:
+        if todo:
             pending.append(True)
 
     pending: list = []

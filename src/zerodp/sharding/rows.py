@@ -39,10 +39,10 @@ class RowSharding:
     def __init__(self, comm: Comm, sharded: bool):
         # Unsharded (stage 0, one rank on the shard axis, no process group): plain tensors,
         # which torch's checkpointing treats as replicated.
-        self.topology = topology = comm.topology
+        self.comm, self.topology = comm, comm.topology
         self.collectives = comm.collectives("shard")
-        self.sharded = sharded and topology.mesh is not None and topology.shard_size > 1
-        self.rank, self.size = topology.shard_rank, topology.shard_size
+        self.sharded = sharded and self.topology.mesh is not None and self.topology.shard_size > 1
+        self.rank, self.size = self.topology.shard_rank, self.topology.shard_size
 
     def row_range(self, shape: Sequence[int], rank: Optional[int] = None) -> tuple[int, int]:
         """The elements [lo, hi) of the flattened parameter that `rank` holds as a DTensor."""
