@@ -85,6 +85,9 @@ def main():
     if args.log_json and trainer.args.process_index == 0:
         with open(args.log_json, "w") as f:
             json.dump(trainer.state.log_history, f)
+    # Tear the process groups down before the interpreter does: gloo's threads otherwise
+    # race the exit (and torch warns that destroy_process_group was not called).
+    zerodp.shutdown_distributed()
 
 
 if __name__ == "__main__":
