@@ -192,7 +192,8 @@ def hf_world(rank, world_size):
     out = {}
     prompt = torch.randint(5, VOCAB - 1, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
     for name, (builder, loss_of, block) in MODELS.items():
-        for precision in ("fp32", "bf16"):
+        # bf16 at N <= 2 only (its tolerance argument is the same at N=4; fp32 covers N=4).
+        for precision in ("fp32", "bf16") if world_size <= 2 else ("fp32",):
             dtype = zerodp.Config(mixed_precision=precision).compute_dtype
             # One DDP reference per model and precision serves every stage: it is the same run.
             ref, ref_losses, _ = train_reference(builder, adamw, dtype, rank, steps=STEPS, loss_of=loss_of)

@@ -305,7 +305,7 @@ class Wide(nn.Module):
 
 
 def big_model_world(rank, world_size, width, layers):
-    """A model of >= 1.5 GiB of fp32 weights, born sharded: what building it adds to a rank's
+    """A model of >= 0.75 GiB of fp32 weights, born sharded: what building it adds to a rank's
     peak RSS stays far below the model (the interpreter and torch come before: `base`)."""
     cfg = zerodp.Config(stage=3, unit_modules=[nn.Linear])
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

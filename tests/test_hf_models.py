@@ -87,7 +87,8 @@ def user_path(runs):
 
 def test_parity_with_ddp(world):
     n, results = world
-    assert len(results[0]) == 3 * 2 * 5 + 1  # models x precisions x (stage 1, 2, 3 auto/named/size) + SGD
+    precisions = 2 if n <= 2 else 1  # bf16 runs at N <= 2 (hf_cases.hf_world)
+    assert len(results[0]) == 3 * precisions * 5 + 1  # models x precisions x (stage 1, 2, 3 auto/named/size) + SGD
     for r in results:
         for key, c in r.items():
             name, precision, stage, variant = key
@@ -126,7 +127,7 @@ def test_automatic_units_are_hf_blocks(world):
     _, results = world
     r = results[0]
     for name, blocks in BLOCK_UNITS.items():
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16") if (name, "bf16", 3, "auto") in r else ("fp32",):
             auto = r[(name, precision, 3, "auto")]["units"]
             named = r[(name, precision, 3, "named")]["units"]
             assert named["names"] == blocks + ["<root>"], (name, named)
@@ -153,7 +154,7 @@ def test_size_based_units(world):
     two or more per block, and the result still equals DDP (test_parity_with_ddp)."""
     _, results = world
     for name, want in SIZE_UNITS.items():
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16") if (name, "bf16", 3, "size") in results[0] else ("fp32",):
             u = results[0][(name, precision, 3, "size")]["units"]
             assert u["all_run"] and "ModuleList" not in u["types"], (name, u)
             assert u["names"] == want, (name, u["names"])

@@ -157,10 +157,10 @@ def test_debug_mode_names_diverging_unit(world):
 
 
 def test_born_sharded_model_larger_than_a_rank():
-    # 25 x Linear(4096, 4096) = 420M parameters, 1.6 GiB of fp32 weights, at world size 4.
-    results = run_world(4, big_model_world, 4096, 25, timeout_s=500)
+    # 13 x Linear(4096, 4096) = 218M parameters, 0.8 GiB of fp32 weights, at world size 4.
+    results = run_world(4, big_model_world, 4096, 13, timeout_s=500)
     for r in results:
-        assert r["full_nbytes"] >= 1.5 * 2**30
+        assert r["full_nbytes"] >= 0.75 * 2**30
         assert r["shard_nbytes"] == r["full_nbytes"] // 4
         # Building it adds the rank's quarter and a unit in flight; never the whole model.
         assert r["peak_rss"] - r["base_rss"] < 0.5 * r["full_nbytes"], r
