@@ -191,8 +191,21 @@ def hf_save_pretrained(root, rank):
             with zerodp.gathered_parameters(model):
                 gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
             case = {"files": sorted(os.listdir(path))}
+            if stage == 3:  # and back into a model born sharded: no rank ever holds it whole
+                from transformers import AutoConfig
+
+                born_cfg = zerodp.Config(stage=3)
+                torch.manual_seed(0)
+                with zerodp.init(born_cfg):
+                    born = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+                born, born_opt = zerodp.initialize(born, torch.optim.AdamW, born_cfg, lr=1e-2)
+                zerodp.load_pretrained(born, os.path.join(path, "model.safetensors"), born_opt)
+                with torch.no_grad():
+                    case["born_logits"] = born(input_ids=ids).logits
             if rank == 0:
                 plain = AutoModelForCausalLM.from_pretrained(path)
+                with torch.no_grad():
+                    case["plain_logits"] = plain(input_ids=ids).logits
                 loaded = dict(plain.named_parameters())
                 case["equal"] = all(torch.equal(loaded[n], v) for n, v in gathered.items())
                 case["names"] = sorted(loaded) == sorted(gathered)

@@ -6,7 +6,12 @@ module's own parameters real storage and calls that module's `reset_parameters()
 construction calls the same methods in the same order from the modules' constructors,
 so with the same seed the values are identical, as long as the model initialises its
 weights in `reset_parameters()` (every torch.nn layer does; the bundled GPT does) rather
-than in a later pass over the whole model. As soon as every parameter of a stage-3 unit
+than in a later pass over the whole model. Hugging Face models do exactly that (`post_init`)
+and give most of their modules (RMSNorm, rotary embeddings) no reset_parameters; they
+define a per-module initialiser instead, `_init_weights(module)`, which every module of
+theirs is then also passed to, after its reset_parameters if it has one: the values are
+a valid initialisation of the model, not the eager run's draw (for pretrained weights,
+loaded next by `load_pretrained`, they do not matter). As soon as every parameter of a stage-3 unit
 is real, the unit is sharded and its full copy freed, so a rank never holds more than
 the units being built plus the root's own parameters.
 """
@@ -49,27 +54,48 @@ def materialize(model: nn.Module, device, on_param: Callable[[nn.Parameter, nn.P
         for name, p in m._parameters.items():
             if p is not None:
                 registrations.setdefault(id(p), []).append((m, name))
+    initialiser = _model_initialisers(model)
     for mname, m in model.named_modules():
         fresh = []
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:
-                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new = nn.Parameter(torch.zeros_like(p, device=device), requires_grad=p.requires_grad)
                 for owner, attr in registrations[id(p)]:  # keeps tied weights tied
                     owner._parameters[attr] = new
                 fresh.append((p, new))
         meta_buffers = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
         for name in meta_buffers:
-            m._buffers[name] = torch.empty_like(m._buffers[name], device=device)
+            m._buffers[name] = torch.zeros_like(m._buffers[name], device=device)
         if fresh or meta_buffers:
-            if not hasattr(m, "reset_parameters"):
+            init_weights = initialiser.get(id(m))
+            if not hasattr(m, "reset_parameters") and init_weights is None:
                 what = [n for n, _ in m.named_parameters(recurse=False)] + meta_buffers
                 raise ValueError(f"module {mname or '<root>'} ({type(m).__name__}) was built on the meta device with "
                                  f"{what} but has no reset_parameters() to initialise them: give it one, or "
                                  f"construct the model outside zerodp.init")
             with torch.no_grad():
-                m.reset_parameters()
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                if init_weights is not None:
+                    init_weights(m)
         for old, new in fresh:
             on_param(old, new)
+
+
+def _model_initialisers(model: nn.Module) -> dict:
+    """id(module) -> the `_init_weights` of the innermost enclosing module that defines one
+    (a Hugging Face PreTrainedModel: see the module docstring)."""
+    out: dict = {}
+
+    def visit(m: nn.Module, current) -> None:
+        own = getattr(m, "_init_weights", None)
+        current = own if callable(own) else current
+        if current is not None:
+            out[id(m)] = current
+        for child in m.children():
+            visit(child, current)
+    visit(model, None)
+    return out
 
 
 def check_same_initialisation(units: list, comm: Comm) -> None:
