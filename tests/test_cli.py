@@ -147,25 +147,28 @@ def test_sigkill_mid_step_and_mid_save_resumes_bit_for_bit(stage, plan, plain_st
 
 
 def test_two_torchrun_nodes_train_stage_3_and_resume_on_one_node(tmp_path):
-    """Two torchrun launches, --nnodes 2 with one process each, static rendezvous on
-    127.0.0.1: stage 3 trains to completion across the two "nodes"; its checkpoint then
-    resumes on one node at world size 1."""
+    """Two torchrun launches, --nnodes 2 with two processes each, static rendezvous on
+    127.0.0.1: stage 3 with hybrid sharding by node (Config.replicate_size="nodes": the
+    mesh's rows are what torchrun calls nodes) trains to completion across the two "nodes";
+    its checkpoint then resumes without hybrid sharding on one node at world size 1."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     job = ["-m", "zerodp.demo.train", "--model", "tiny", "--stage", "3", "--steps", "8", "--lr", "1e-2",
+           "--replicate-size", "nodes", "--batch-size", "4",
            "--ckpt-every", "4", "--eval-every", "8", "--sample-tokens", "0", "--out", str(tmp_path / "two")]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
              for r in (0, 1)]
     outs = [n.communicate(timeout=150) for n in nodes]
     for n, (out, err) in zip(nodes, outs):
         assert n.returncode == 0, err[-4000:]
     s = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert s["world_size"] == 2 and s["stage"] == 3 and len(s["losses"]) == 8
+    assert s["world_size"] == 4 and s["stage"] == 3 and len(s["losses"]) == 8
+    assert s["mesh"] == {"replicate": 2, "shard": 2} and s["config"]["replicate_size"] == 2
     assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["step_000004", "step_000008"]
     proc = zerodp_cmd("train", "--model", "tiny", "--nproc", 1, "--stage", 3, "--steps", 10, "--lr", "1e-2",
                       "--eval-every", 10, "--sample-tokens", 0, "--ckpt-dir", tmp_path / "two" / "ckpt", "--resume",

@@ -56,3 +56,23 @@ def test_a_single_process_has_a_trivial_topology():
         Topology.build(None, torch.device("cpu"), replicate_size=2)
     with pytest.raises(ValueError, match="mesh axis 'tp' is unknown"):
         t.size("tp")
+
+
+def test_nodes_come_from_torchrun(monkeypatch):
+    import zerodp
+    from zerodp.distributed.topology import ranks_per_node
+
+    assert zerodp.Config(replicate_size="nodes").replicate_size == "nodes"
+    with pytest.raises(zerodp.ConfigError, match="replicate_size"):
+        zerodp.Config(replicate_size="racks")
+    for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(zerodp.ConfigError, match="LOCAL_WORLD_SIZE, RANK, GROUP_RANK is not set: launch with torchrun"):
+        ranks_per_node()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert ranks_per_node() == 2  # rank 3 is the second of node 1's two
+    monkeypatch.setenv("GROUP_RANK", "0")
+    with pytest.raises(zerodp.ConfigError, match="not numbered node by node"):
+        ranks_per_node()

@@ -6,15 +6,18 @@ optimizer steps it (optim/), and every collective goes through the comm (distrib
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from .config import Config
+from .config import Config, ConfigError
 from .distributed import Comm, Topology
+from .distributed.topology import ranks_per_node
 from .distributed.agreement import check_ranks_agree, describe
 from .optim import ZeroOptimizer
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
@@ -59,6 +62,21 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
     return inner, grouped_params(inner, named), describe(model, inner, config)
 
 
+def _resolve_nodes(config: Config, process_group) -> Config:
+    """Config.replicate_size="nodes" as a number: one row of the mesh per torchrun node."""
+    if config.replicate_size != "nodes":
+        return config
+    if not (dist.is_available() and dist.is_initialized()):
+        return dataclasses.replace(config, replicate_size=1)
+    if process_group is not None and process_group != dist.group.WORLD:
+        raise ConfigError("Config.replicate_size='nodes' needs the default process group (torchrun's ranks); "
+                          "with a process_group of your own, give the number of rows")
+    local, world = ranks_per_node(), dist.get_world_size()
+    if world % local:
+        raise ConfigError(f"Config.replicate_size='nodes': {world} ranks are not whole nodes of {local}")
+    return dataclasses.replace(config, replicate_size=world // local)
+
+
 def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
                process_group: Optional[Any] = None, **optimizer_kwargs) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state across the data-parallel ranks; returns (model, optimizer).
@@ -91,6 +109,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         comm, problem = Comm(process_group, device=comm_device), e
     if problem is None:
         try:
+            config = _resolve_nodes(config, process_group)  # compared by the agreement below
             inner, group_indices, described = _build_and_describe(model, optimizer, config, named, optimizer_kwargs)
         except Exception as e:  # noqa: BLE001  (re-raised on this rank by check_ranks_agree)
             problem = e

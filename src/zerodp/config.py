@@ -37,12 +37,13 @@ class Config:
     """ZeRO stage: 0 = DDP (all-reduce), 1 = shard optimizer states, 2 = also gradients,
     3 = also parameters (ZeRO, arXiv 1910.02054, §5.1-5.3)."""
 
-    replicate_size: int = 1
+    replicate_size: Union[int, str] = 1
     """Rows of the data-parallel mesh ([Note: mesh axes] in distributed/topology.py): the
     ranks are a replicate x shard grid, model states are sharded along each row only and
     each row holds a full copy (hybrid sharding, FSDP2's HSDP: e.g. the number of nodes, so
     that gathers stay inside a node). Gradients are reduce-scattered within the row, then
-    all-reduced across rows. 1 shards over every rank. Must divide the world size."""
+    all-reduced across rows. 1 shards over every rank. Must divide the world size.
+    "nodes": one row per node, as torchrun says (LOCAL_WORLD_SIZE ranks on each)."""
 
     mixed_precision: str = "fp32"
     """Compute dtype of the model's parameters: "fp32", "bf16" or "fp16". With bf16/fp16 the
@@ -144,7 +145,8 @@ class Config:
         _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
         _positive_int("bucket_bytes", self.bucket_bytes)
         _positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
-        _positive_int("replicate_size", self.replicate_size)
+        if self.replicate_size != "nodes":
+            _positive_int("replicate_size", self.replicate_size)
         _positive_int("unit_min_params", self.unit_min_params)
         if not _is_number(self.collective_timeout_s) or not self.collective_timeout_s > 0:
             raise _bad("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")

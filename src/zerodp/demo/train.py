@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=None,
                    help="tokens per sequence (default: the preset's block size)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of AdamW (default 2e-3)")
+    p.add_argument("--replicate-size", type=_rows, default=None,
+                   help="hybrid sharding: rows of ranks that each hold a full copy, or 'nodes' (one per node)")
     p.add_argument("--grad-accum", type=_positive_int, default=None,
                    help="micro-batches per optimizer step (default 1, or the --config file's)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
@@ -95,6 +97,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _rows(text: str):
+    return "nodes" if text == "nodes" else _positive_int(text)
+
+
 def build_config(args: argparse.Namespace) -> Config:
     """The run's Config: the --config file (if any), then the flags given explicitly."""
     cfg = Config.from_file(args.config) if args.config else Config(stage=DEFAULT_STAGE)
@@ -105,6 +111,8 @@ def build_config(args: argparse.Namespace) -> Config:
         changes["mixed_precision"] = args.precision
     if args.grad_accum is not None:
         changes["grad_accumulation_steps"] = args.grad_accum
+    if args.replicate_size is not None:
+        changes["replicate_size"] = args.replicate_size
     cfg = dataclasses.replace(cfg, **changes)
     if cfg.stage == 3 and not cfg.unit_modules:
         # One unit per transformer block: the natural gather granularity (as FSDP wraps blocks).
@@ -335,9 +343,10 @@ class Job:
         tail = [v for _, v in self.losses[-10:]]
         return {
             "stage": cfg.stage, "world_size": n, "model": self.args.model, "numel": psi,
+            "mesh": {"replicate": self.opt.comm.topology.replicate_size, "shard": self.opt.comm.topology.shard_size},
             "precision": cfg.mixed_precision, "device": str(self.device.type),
             "backend": "nccl" if self.device.type == "cuda" else "gloo",
-            "config": cfg.to_dict(), "args": {k: v for k, v in vars(self.args).items()},
+            "config": self.opt.config.to_dict(), "args": {k: v for k, v in vars(self.args).items()},
             "bytes_per_param": {"param": pb, "grad": gb, "k": k},
             "memory": mem.as_dict(),
             "memory_formula": formula_bytes(cfg.stage, mem.padded_numel, n, pb, gb, master_b, state_b),

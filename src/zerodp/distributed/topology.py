@@ -12,6 +12,7 @@ records bytes by axis, so intra-node and inter-node traffic stay separable. Toda
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -106,6 +107,22 @@ class Topology:
         return cls(mesh, device, shard_size, mesh.get_local_rank("shard"), replicate_size,
                    mesh.get_local_rank("replicate"), base, mesh.get_group("shard"), mesh.get_group("replicate"),
                    backend, timeout_s)
+
+
+def ranks_per_node() -> int:
+    """Ranks on each node, as torchrun says: LOCAL_WORLD_SIZE, checked against RANK and
+    GROUP_RANK (this node's rank), since a row of the mesh is ranks numbered one after
+    another and torchrun numbers them node by node."""
+    missing = [k for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"Config.replicate_size='nodes' takes the nodes from torchrun, but {', '.join(missing)} "
+                          f"is not set: launch with torchrun (or zerodp launch), or set replicate_size to the "
+                          f"number of nodes")
+    local, rank, node = (int(os.environ[k]) for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK"))
+    if local < 1 or rank // local != node:
+        raise ConfigError(f"Config.replicate_size='nodes': rank {rank} is on node {node} with {local} ranks per node, "
+                          f"so the ranks are not numbered node by node: set replicate_size to the number of rows")
+    return local
 
 
 def _axis(axis: str) -> str:
