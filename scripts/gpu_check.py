@@ -1,5 +1,6 @@
 """GPU smoke check: zerodp stages 0-3 x bf16/fp16 against torch DDP, the fp16 overflow skip,
-and a stage-3 vs DDP step-time/memory line. Launch with `bash scripts/gpu_check.sh`
+a DCP save/load round trip of the DTensor state dicts (stages 1 and 3), and a stage-3 vs DDP
+step-time/memory line. Launch with `bash scripts/gpu_check.sh`
 (torchrun, one process per GPU, NCCL); `--cpu` runs the same logic on gloo."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 import gc
 import logging
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -220,6 +222,45 @@ def bench(args, device):
         f"{mem} {m3:.2f} GiB vs {md:.2f} GiB (rank 0)")
 
 
+def check_dcp_round_trip(stage, precision, args, device):
+    """torch.distributed.checkpoint through get_state_dict/set_state_dict (DTensors on this
+    device's mesh): a fresh model loaded at step 2 then equals the run that went straight on."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank = dist.get_rank()
+    where = [tempfile.mkdtemp(prefix="zerodp_gpu_check_") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    torch.manual_seed(0)
+    model, opt = make_zero(stage, precision, "tiny", device)
+    cfg = model.config
+    for step in range(2):
+        zero_step(model, opt, *batch(step, rank, cfg, args.rows, device))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=where[0])
+    for step in range(2, 4):
+        zero_step(model, opt, *batch(step, rank, cfg, args.rows, device))
+    straight = params_of(model)
+    torch.manual_seed(1)
+    fresh, fopt = make_zero(stage, precision, "tiny", device)
+    msd, osd = get_state_dict(fresh, fopt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=where[0])
+    set_state_dict(fresh, fopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for step in range(2, 4):
+        zero_step(fresh, fopt, *batch(step, rank, cfg, args.rows, device))
+    resumed = params_of(fresh)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+    ok = agree_max(0.0 if all(torch.equal(straight[n], resumed[n]) for n in straight) else 1.0, device) == 0.0
+    log(f"{label(stage, False)} {precision}  DCP save at step 2, load into a fresh model: steps 3-4 "
+        f"bit for bit  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo (logic check without a GPU)")
@@ -243,6 +284,7 @@ def main():
     variants = [(0, False), (1, False), (2, False), (3, False), (3, True)]
     cases = [(f"{label(s, b)} {p}", check_case, s, b, p) for s, b in variants for p in ("bf16", "fp16")]
     cases += [(f"{label(s, False)} fp16 overflow", check_overflow_skip, s) for s in (0, 1, 2, 3)]
+    cases += [(f"{label(s, False)} {p} DCP", check_dcp_round_trip, s, p) for s in (1, 3) for p in ("bf16", "fp16")]
     cases += [] if args.no_bench else [("bench", bench)]
     results = []
     for name, fn, *fn_args in cases:
