@@ -183,3 +183,32 @@ def test_born_on_meta_below_stage_3_is_materialised_whole():
     for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert torch.equal(p, q), n
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_models_own_init_weights_of_another_signature_is_left_alone():
+    """Only an `_init_weights(module)` (Hugging Face's per-module initialiser) initialises
+    modules under zerodp.init; a model's `_init_weights(self)` is not called with one."""
+    import torch
+    import torch.nn as nn
+
+    import zerodp
+
+    class NoArg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self._init_weights()
+
+        def _init_weights(self):
+            for p in self.parameters():
+                nn.init.normal_(p, std=0.02)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    cfg = zerodp.Config(stage=2)
+    with zerodp.init(cfg):
+        model = NoArg()
+    model, _ = zerodp.initialize(model, torch.optim.SGD, cfg, lr=0.1)
+    assert not any(p.is_meta for p in model.parameters())
+    assert torch.isfinite(model(torch.ones(2, 8))).all()

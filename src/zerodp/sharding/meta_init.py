@@ -9,15 +9,19 @@ weights in `reset_parameters()` (every torch.nn layer does; the bundled GPT does
 than in a later pass over the whole model. Hugging Face models do exactly that (`post_init`)
 and give most of their modules (RMSNorm, rotary embeddings) no reset_parameters; they
 define a per-module initialiser instead, `_init_weights(module)`, which every module of
-theirs is then also passed to, after its reset_parameters if it has one: the values are
-a valid initialisation of the model, not the eager run's draw (for pretrained weights,
-loaded next by `load_pretrained`, they do not matter). As soon as every parameter of a stage-3 unit
+theirs with parameters of its own is then also passed to, after its reset_parameters if it
+has one. That loads pretrained weights without the model whole on any rank (the values
+drawn do not matter: `load_pretrained` overwrites them). It is not HF's eager
+initialisation: HF's pass also visits modules without parameters of their own, which some
+models (T5) use to initialise their children, and zerodp.init does not; so to train a
+Hugging Face model from scratch, build it eagerly. As soon as every parameter of a stage-3 unit
 is real, the unit is sharded and its full copy freed, so a rank never holds more than
 the units being built plus the root's own parameters.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -89,13 +93,25 @@ def _model_initialisers(model: nn.Module) -> dict:
 
     def visit(m: nn.Module, current) -> None:
         own = getattr(m, "_init_weights", None)
-        current = own if callable(own) else current
+        current = own if _takes_a_module(own) else current
         if current is not None:
             out[id(m)] = current
         for child in m.children():
             visit(child, current)
     visit(model, None)
     return out
+
+
+def _takes_a_module(fn) -> bool:
+    """Whether `fn` can be called as fn(module) (HF's signature; a model's own
+    `_init_weights(self)` of another kind is not an initialiser of modules)."""
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(nn.Module())
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def check_same_initialisation(units: list, comm: Comm) -> None:
