@@ -14,7 +14,13 @@ from zerodp.memory import formula_bytes
 STATE_BYTES = {"sgd": 4, "adamw": 8}  # momentum; exp_avg + exp_avg_sq (fp32)
 
 
+def as_two_nodes(rank: int) -> None:
+    """What torchrun would say for 2 nodes of 2 ranks (the harness starts no torchrun)."""
+    os.environ.update({"LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "GROUP_RANK": str(rank // 2)})
+
+
 def hybrid_world(rank: int, world_size: int, root: str) -> dict:
+    as_two_nodes(rank)
     out: dict = {}
     for stage in (1, 2, 3):
         for name, opt_fn in OPTIMIZERS.items():
@@ -29,8 +35,13 @@ def hybrid_world(rank: int, world_size: int, root: str) -> dict:
                 "diff": diff, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "topology": (opt.comm.shard_size, opt.comm.topology.replicate_size),
                 "memory": {k: getattr(mem, k) for k in formula}, "formula": formula,
-                "by_axis": volumes[-1]["nbytes_by_axis"],
+                "by_axis": volumes[-1]["nbytes_by_axis"], "by_link": volumes[-1]["nbytes_by_link"],
+                "padded_numel": mem.padded_numel,
                 "padding_state_nbytes": (mem.padded_numel - mem.numel) * STATE_BYTES[name]}
+    # Stage 3 without hybrid sharding over the same 2 nodes: its one axis spans them.
+    model, opt, _, _, volumes = train_zerodp(Net, OPTIMIZERS["sgd"], zerodp.Config(stage=3, unit_min_params=10), rank)
+    out["flat_stage3"] = {"by_axis": volumes[-1]["nbytes_by_axis"], "by_link": volumes[-1]["nbytes_by_link"],
+                          "padded_numel": opt.memory_report().padded_numel}
     # Accumulation over 2 micro-batches at stage 2, reduced per micro-batch.
     cfg = zerodp.Config(stage=2, replicate_size=2, bucket_bytes=SMALL_BUCKET, grad_accumulation_steps=2)
     ref, _, _ = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank)

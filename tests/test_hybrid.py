@@ -24,7 +24,21 @@ def test_hybrid_sharding_equals_ddp_and_holds_the_stage_formula_over_a_row(resul
         if stage == 3:  # a unit's optimizer states cover its owned elements, not its padding
             assert 0 <= formula.pop("optimizer_states") - memory.pop("optimizer_states") <= case["padding_state_nbytes"]
         assert memory == formula, case  # N = 2: the shard axis, not the 4 ranks
-        assert case["by_axis"].get("replicate", 0) > 0 and case["by_axis"].get("shard", 0) > 0, case
+        # Bytes per step (fp32, P = padded elements of the model, S = 2 ranks per row = per node):
+        # across nodes only the rows' all-reduce of each rank's gradient shard, P/S elements;
+        # everything else stays inside a node (stage 3: 3P of gathers and reduce-scatters).
+        padded, by_axis, by_link = case["padded_numel"], case["by_axis"], case["by_link"]
+        assert by_axis["replicate"] == padded // 2 * 4, case
+        assert by_link == {"inter_node": by_axis["replicate"], "intra_node": by_axis["shard"]}, case
+        if stage == 3:
+            assert by_axis["shard"] == 3 * padded * 4, case
+
+
+def test_stage_3_over_two_nodes_sends_everything_across_them(results):
+    for r in results:
+        case = r["flat_stage3"]
+        # One axis over all 4 ranks spans both nodes: 3P, all of it counted inter-node.
+        assert case["by_link"] == {"inter_node": 3 * case["padded_numel"] * 4, "intra_node": 0}, case
 
 
 def test_hybrid_accumulation_and_checkpoint(results):

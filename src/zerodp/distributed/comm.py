@@ -37,6 +37,8 @@ class Comm:
         self.device = self.topology.device
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
         self.shard_rank, self.shard_size = self.topology.shard_rank, self.topology.shard_size
+        self.ledger.inter_node_axes = frozenset(a for a in ("shard", "replicate", "data")
+                                                if self.topology.crosses_nodes(a))
         self.failures = FailureReport(self.rank, self.world_size, self.topology.name, self.topology.timeout_s)
         self._strategies: dict = {}
 

@@ -48,6 +48,10 @@ class CommLedger:
     last_step: list = field(default_factory=list)
     totals: Counter = field(default_factory=Counter)
     fingerprint: int = 0  # of the current step's collectives: [Note: step fingerprint] in comm.py
+    # Mesh axes whose groups span torchrun nodes (Topology.crosses_nodes): their bytes are
+    # the inter-node ones. A collective over a group that spans nodes is counted whole (it
+    # is what crosses, or waits on, the slower link); set by the Comm.
+    inter_node_axes: frozenset = frozenset()
 
     def record(self, op: str, numel: int, nbytes: int, phase: str, axis: str = "data",
                label: str = "") -> CommRecord:
@@ -73,6 +77,7 @@ class CommLedger:
         records = self.last_step if records is None else records
         by_op: Counter = Counter()  # the paper's volume by op: scalar agreements ("control") apart
         by_axis: Counter = Counter()  # bytes sent, by mesh axis
+        by_link: Counter = Counter({"intra_node": 0, "inter_node": 0})  # by whether the group spans nodes
         control = 0
         for r in records:
             if r.phase == "control":
@@ -80,11 +85,13 @@ class CommLedger:
             else:
                 by_op[f"{r.op}/{r.phase}"] += r.volume_numel
                 by_axis[r.axis] += r.nbytes
+                by_link["inter_node" if r.axis in self.inter_node_axes else "intra_node"] += r.nbytes
         return {
             "volume_numel": self.volume(records),
             "calls": len(records),
             "nbytes": sum(by_axis.values()),
             "by_op": dict(by_op),
             "nbytes_by_axis": dict(by_axis),
+            "nbytes_by_link": dict(by_link),
             "control_calls": control,
         }

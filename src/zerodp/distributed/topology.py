@@ -50,6 +50,18 @@ class Topology:
     replicate_group: Optional[dist.ProcessGroup]
     backend: Optional[str]
     timeout_s: Optional[float] = None  # of zerodp's own groups: [Note: no silent hang] in failure.py
+    ranks_per_node: Optional[int] = None  # as torchrun says (LOCAL_WORLD_SIZE); None: not known
+
+    def crosses_nodes(self, axis: str) -> bool:
+        """Whether a group along `axis` holds ranks of more than one node. A row of the mesh
+        is consecutive ranks and torchrun numbers ranks node by node ([Note: mesh axes])."""
+        node, size, shard = self.ranks_per_node, self.world_size, self.shard_size
+        if node is None or node >= size:
+            return False
+        groups = {"shard": [range(r * shard, (r + 1) * shard) for r in range(self.replicate_size)],
+                  "replicate": [range(s, size, shard) for s in range(shard)],
+                  "data": [range(size)]}[_axis(axis)]
+        return any(len({rank // node for rank in g}) > 1 for g in groups)
 
     @property
     def name(self) -> str:
@@ -101,12 +113,13 @@ class Topology:
             base = _own_group(base, timeout_s)
         mesh = _mesh(base, device.type, replicate_size)
         shard_size = world // replicate_size
+        node = _known_ranks_per_node() if group is None or group == dist.group.WORLD else None
         if replicate_size == 1:  # a 1-D mesh: an axis of one rank needs no process group
             return cls(mesh, device, shard_size, mesh.get_local_rank("shard"), 1, 0, base, mesh.get_group("shard"),
-                       None, backend, timeout_s)
+                       None, backend, timeout_s, node)
         return cls(mesh, device, shard_size, mesh.get_local_rank("shard"), replicate_size,
                    mesh.get_local_rank("replicate"), base, mesh.get_group("shard"), mesh.get_group("replicate"),
-                   backend, timeout_s)
+                   backend, timeout_s, node)
 
 
 def ranks_per_node() -> int:
@@ -123,6 +136,15 @@ def ranks_per_node() -> int:
         raise ConfigError(f"Config.replicate_size='nodes': rank {rank} is on node {node} with {local} ranks per node, "
                           f"so the ranks are not numbered node by node: set replicate_size to the number of rows")
     return local
+
+
+def _known_ranks_per_node() -> Optional[int]:
+    """`ranks_per_node()` where torchrun has said it, else None (the ledger then calls every
+    byte intra-node)."""
+    try:
+        return ranks_per_node()
+    except ConfigError:
+        return None
 
 
 def _axis(axis: str) -> str:
