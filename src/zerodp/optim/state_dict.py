@@ -20,7 +20,7 @@ import torch
 
 from ..distributed.agreement import raise_if_any_failed
 from ..memory.ledger import is_elementwise_state
-from ..sharding.rows import RowSharding, copy_owned, gather_runs, scatter_runs
+from ..sharding.rows import RowSharding, gather_runs
 
 __all__ = ["MASTER", "OwnedSlice", "owned_slices", "sharded_state_dict", "load_sharded_state_dict"]
 
@@ -218,16 +218,7 @@ def _write_values(rows: RowSharding, shard, tensors: list[torch.Tensor], found: 
     layout, pieces = st.layout, st.owned_pieces()
     dtype = tensors[0].dtype if tensors else torch.float32
     if rows.sharded:
-        by_rows = {}
-        for i, (kind, v) in found.items():
-            if kind == "rows":
-                shape = layout.slots[i].shape
-                by_rows[i] = (rows.row_range(shape)[0], v if rows.contribution(shape)[1] else v[:0])
-        local = scatter_runs(layout, by_rows, st.collectives, dtype, device, "checkpoint") if by_rows else \
-            torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-        for i, (kind, v) in found.items():
-            if kind == "full":
-                copy_owned(layout, st.rank, i, v.to(dtype), local)
+        local = rows.into_shard(layout, found, st.collectives, dtype, device)
         for p, t in zip(pieces, tensors):
             t.view(-1).copy_(local[p.shard_start: p.shard_start + p.numel])
         return

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed.agreement import raise_if_any_failed
 from .flat_unit import FlatUnit, UnitState
-from .rows import RowSharding, copy_owned, gather_runs, scatter_runs
+from .rows import RowSharding, gather_runs
 
 __all__ = ["install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors"]
 
@@ -97,20 +97,12 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             problem = e
         raise_if_any_failed(rows.comm, problem, "model.load_state_dict", "checkpoint")
         with torch.no_grad():
-            for u, found in todo:
-                by_rows = {i: (rows.row_range(u.layout.slots[i].shape)[0], v)
-                           for i, (kind, v) in found.items() if kind == "rows"}
-                if by_rows:  # the same keys on every rank: each holds its rows
-                    by_rows = {i: (lo, v) if rows.contribution(u.layout.slots[i].shape)[1] else (lo, v[:0])
-                               for i, (lo, v) in by_rows.items()}
-                    shard = scatter_runs(u.layout, by_rows, u.collectives, u.shard.dtype, u.shard.device,
-                                         "checkpoint", label=f"unit {u.name}")
-                    for i in by_rows:
-                        for _, s, n in u.layout.slot_pieces(i, u.rank):
-                            u.shard[s: s + n].copy_(shard[s: s + n])
-                for i, (kind, v) in found.items():
-                    if kind == "full":
-                        copy_owned(u.layout, u.rank, i, v.to(u.shard.dtype), u.shard)
+            for u, found in todo:  # the same keys on every rank
+                shard = rows.into_shard(u.layout, found, u.collectives, u.shard.dtype, u.shard.device,
+                                        label=f"unit {u.name}")
+                for i in found:
+                    for _, s, n in u.layout.slot_pieces(i, u.rank):
+                        u.shard[s: s + n].copy_(shard[s: s + n])
                 for i, p in enumerate(u.params):  # what torch's own load then copies: itself
                     for n in aliases[id(p)]:
                         if prefix + n in state_dict:

@@ -91,6 +91,24 @@ class RowSharding:
         self.collectives.all_gather(out, mine, "checkpoint", label=name)
         return out[: math.prod(shape)].view(shape)
 
+    def into_shard(self, layout: FlatLayout, found: dict, collectives: Collectives, dtype: torch.dtype,
+                   device: torch.device, label: str = "") -> torch.Tensor:
+        """A shard (shard_numel elements) holding, at this rank's positions, the values of
+        `found` = {slot: `unwrap`'s (kind, value)}: rows through one reduce-scatter per
+        segment (collective when any is rows: the same slots on every rank), full values
+        copied. Positions of other slots are zero."""
+        by_rows = {}
+        for i, (kind, v) in found.items():
+            if kind == "rows":
+                shape = layout.slots[i].shape
+                by_rows[i] = (self.row_range(shape)[0], v if self.contribution(shape)[1] else v[:0])
+        shard = scatter_runs(layout, by_rows, collectives, dtype, device, "checkpoint", label) if by_rows else \
+            torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        for i, (kind, v) in found.items():
+            if kind == "full":
+                copy_owned(layout, collectives.rank, i, v.to(dtype), shard)
+        return shard
+
     def unwrap(self, value: torch.Tensor, shape: Sequence[int], name: str) -> tuple[str, torch.Tensor]:
         """("rows", this rank's rows, flat) for a DTensor cut as `wrap` cuts it, else
         ("full", the whole flat value); raises naming `name` when the shape is wrong."""
