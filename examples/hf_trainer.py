@@ -56,6 +56,7 @@ def main():
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): zerodp's bf16 compute, fp32 master")
     p.add_argument("--train-windows", type=int, default=512, help="training examples (an epoch)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--log-json", default=None)
@@ -76,7 +77,7 @@ def main():
         per_device_eval_batch_size=2, gradient_accumulation_steps=args.accumulation, learning_rate=3e-3,
         weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=0.5,
         eval_strategy="steps", eval_steps=args.save_steps, save_steps=args.save_steps, logging_steps=1,
-        save_total_limit=2, use_cpu=not torch.cuda.is_available(), report_to=[], disable_tqdm=True, seed=0,
+        save_total_limit=2, bf16=args.bf16, use_cpu=not torch.cuda.is_available(), report_to=[], disable_tqdm=True, seed=0,
         dataloader_num_workers=0)
     kwargs = {} if args.ddp else {"zerodp_config": zerodp.Config(stage=args.stage)}
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val, **kwargs)
