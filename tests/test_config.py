@@ -11,7 +11,8 @@ from zerodp import Config, ConfigError
 FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_loss_scale",
           "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
           "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
-          "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug"}
+          "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
+          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size"}
 
 
 def test_fields_are_pinned():
@@ -38,6 +39,14 @@ BAD = [
     ({"overlap_comm": "yes"}, "overlap_comm", "true or false"),
     ({"prefetch_units": -1}, "prefetch_units", ">= 0"),
     ({"unit_modules": [3]}, "unit_modules", "classes or class names"),
+    ({"stage": 2, "hpz": True}, "hpz", "use stage 3"),
+    ({"stage": 2, "quantize_weights": True}, "quantize_weights", "use stage 3"),
+    ({"quantize_grads": "int2", "stage": 3}, "quantize_grads", "int4"),
+    ({"quantize_grads": "int8", "stage": 3, "replicate_size": 2}, "quantize_grads", "hybrid sharding"),
+    ({"hpz": True, "stage": 3, "replicate_size": "nodes"}, "hpz", "hybrid sharding"),
+    ({"hpz": True, "stage": 3, "reshard_after_forward": False}, "hpz", "backward gathers nothing"),
+    ({"quantize_block_size": 0, "stage": 3, "quantize_weights": True}, "quantize_block_size", "positive integer"),
+    ({"hpz": 1, "stage": 3}, "hpz", "true or false"),
     ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
 ]
 

@@ -64,9 +64,15 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
 
 def _resolve_nodes(config: Config, process_group) -> Config:
     """Config.replicate_size="nodes" as a number: one row of the mesh per torchrun node."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size() > 1 and (config.hpz or config.quantize_grads is not None):
+        local = ranks_per_node()  # ZeRO++'s hierarchy needs the nodes: raises here, before any collective
+        if dist.get_world_size() % local or (process_group is not None and process_group != dist.group.WORLD):
+            raise ConfigError(f"Config.hpz / quantize_grads split the ranks by node: {dist.get_world_size()} "
+                              f"ranks are not whole nodes of {local}, or a process_group of your own was given")
     if config.replicate_size != "nodes":
         return config
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed:
         return dataclasses.replace(config, replicate_size=1)
     if process_group is not None and process_group != dist.group.WORLD:
         raise ConfigError("Config.replicate_size='nodes' needs the default process group (torchrun's ranks); "
@@ -118,10 +124,12 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     if config.replicate_size > 1:  # hybrid sharding: now that every rank agrees on the mesh's shape
         comm = Comm(topology=Topology.build(process_group, comm_device, config.replicate_size,
                                             timeout_s=config.collective_timeout_s), ledger=comm.ledger)
+    if config.hpz or config.quantize_grads is not None:  # ZeRO++'s hierarchy: the shard axis by node
+        comm = Comm(topology=comm.topology.with_node_axes(), ledger=comm.ledger)
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config)
-        schedule = Stage3Engine(sharded.units, comm, config, sharded.pool)
+        schedule = Stage3Engine(sharded.units, comm, config, sharded.pool, sharded.secondary_pool)
         opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
                             group_indices=group_indices, stage3=schedule)
         install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params)

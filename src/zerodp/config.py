@@ -23,6 +23,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Bits of each quantized format of `Config.quantize_grads`.
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+
+
 class ConfigError(ValueError):
     """A configuration value is not allowed; the message names the field, value and fix."""
 
@@ -115,6 +119,31 @@ class Config:
     prefetch_units: int = 1
     """Stage 3: how many units ahead to gather asynchronously, in forward and backward."""
 
+    hpz: bool = False
+    """Stage 3, ZeRO++'s hierarchical partitioning (hpZ, arXiv 2306.10209 §3.2): after a
+    unit's forward all-gather over every rank, each rank keeps a secondary copy of the unit
+    sharded over the ranks of its node, so that backward gathers inside the node only.
+    Costs Ψ/ranks_per_node parameter bytes per rank between forward and backward (the
+    ledger's `secondary_params`). Nodes are torchrun's (LOCAL_WORLD_SIZE); needs
+    replicate_size=1 and reshard_after_forward=True. See docs/multinode.md."""
+
+    quantize_weights: bool = False
+    """Stage 3, ZeRO++'s qwZ: the parameter all-gathers send int8 codes with one fp32 scale
+    per block of `quantize_block_size` elements instead of the compute dtype (a quarter of
+    fp32's bytes, half of bf16's). Every rank computes with the same dequantized weights;
+    the shards and the fp32 master are never quantized, only what is sent."""
+
+    quantize_grads: Union[str, None] = None
+    """Stage 3, ZeRO++'s qgZ: "int8" or "int4": each unit's gradients are reduce-scattered
+    hierarchically, an all-to-all inside the node then one across nodes, each sending
+    blockwise-quantized values and summing the dequantized ones in fp32 (one quantization
+    error per level). None: the plain reduce-scatter. Nodes as for `hpz`."""
+
+    quantize_block_size: int = 1024
+    """Elements per quantization block of qwZ and qgZ; each block sends one fp32 scale
+    (0.4% of the codes at 1024 int8) and its error is at most its largest |value| / 254
+    (int8) or / 14 (int4)."""
+
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
     rank raises an error naming the ranks that did not arrive and the collective each was
@@ -152,15 +181,34 @@ class Config:
             raise _bad("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
-        for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug"):
+        for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
+                     "hpz", "quantize_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
+        self._check_zeropp()
         units = self.unit_modules
         if isinstance(units, (str, type)):
             units = (units,)
         if not isinstance(units, (list, tuple)) or not all(isinstance(u, (str, type)) for u in units):
             raise _bad("unit_modules", self.unit_modules, "use a list of nn.Module classes or class names")
         object.__setattr__(self, "unit_modules", tuple(units))
+
+    def _check_zeropp(self) -> None:
+        if self.quantize_grads is not None and self.quantize_grads not in QUANTIZED_BITS:
+            raise _bad("quantize_grads", self.quantize_grads, f"use None or one of {sorted(QUANTIZED_BITS)}")
+        _positive_int("quantize_block_size", self.quantize_block_size)
+        used = [n for n in ("hpz", "quantize_weights", "quantize_grads") if getattr(self, n) not in (False, None)]
+        if used and self.stage != 3:
+            raise _bad(used[0], getattr(self, used[0]), f"ZeRO++ moves stage 3's gathers and reduce-scatters; with "
+                                                        f"stage={self.stage} use stage 3 or leave it off")
+        hierarchical = [n for n in ("hpz", "quantize_grads") if getattr(self, n) not in (False, None)]
+        if hierarchical and self.replicate_size != 1:
+            raise _bad(hierarchical[0], getattr(self, hierarchical[0]),
+                       f"with replicate_size={self.replicate_size!r} (hybrid sharding) the shard axis already stays "
+                       f"inside a node: there is no cross-node gather or reduce-scatter to split; use one or the other")
+        if self.hpz is True and self.reshard_after_forward is False:
+            raise _bad("hpz", True, "with reshard_after_forward=False backward gathers nothing (the unit stays "
+                                    "gathered), so there is nothing for hpZ to keep inside the node")
 
     # -- derived values -------------------------------------------------------------
     @property
@@ -170,6 +218,10 @@ class Config:
     @property
     def grad_reduce_dtype(self) -> torch.dtype:
         return DTYPES[self.reduce_dtype] if self.reduce_dtype else self.compute_dtype
+
+    @property
+    def grad_quantization_bits(self):
+        return QUANTIZED_BITS.get(self.quantize_grads)
 
     @property
     def uses_loss_scaling(self) -> bool:

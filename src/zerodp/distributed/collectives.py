@@ -120,11 +120,7 @@ class Collectives:
         """Check and record one collective whose full tensor is `full`; None when there is
         nothing to send (one rank on the axis: the result is a copy, and the same volume
         is recorded either way)."""
-        check_device(self.device, self.rank, op, output, input)
-        chunk = input if full is output else output
-        if full.numel() != chunk.numel() * self.size:
-            raise ValueError(f"{op}: the full tensor has {full.numel()} elements and the chunk {chunk.numel()}; "
-                             f"the full one must be the chunk x the {self.axis} axis size ({self.size})")
+        self.check_sizes(op, output, input, full)
         record = self.ledger.record(op, full.numel(), self.wire_nbytes(full), phase, self.axis, label)
         if self.size > 1:
             return record
@@ -132,6 +128,14 @@ class Collectives:
             output.copy_(input)
         return None
 
+
+    def check_sizes(self, op: str, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor) -> None:
+        """The tensors lie on the group's device and the full one is the chunk x the axis size."""
+        check_device(self.device, self.rank, op, output, input)
+        chunk = input if full is output else output
+        if full.numel() != chunk.numel() * self.size:
+            raise ValueError(f"{op}: the full tensor has {full.numel()} elements and the chunk {chunk.numel()}; "
+                             f"the full one must be the chunk x the {self.axis} axis size ({self.size})")
 
     def launch_all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
         raise NotImplementedError

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .collectives import Collectives, check_device, default_collectives, guarded
 from .failure import CollectiveError, FailureReport
 from .ledger import CommLedger, CommRecord
-from .topology import Topology, forget_meshes
+from .topology import AXES, Topology, forget_meshes
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Comm:
         self.device = self.topology.device
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
         self.shard_rank, self.shard_size = self.topology.shard_rank, self.topology.shard_size
-        self.ledger.inter_node_axes = frozenset(a for a in ("shard", "replicate", "data")
+        self.ledger.inter_node_axes = frozenset(a for a in AXES
                                                 if self.topology.crosses_nodes(a))
         self.failures = FailureReport(self.rank, self.world_size, self.topology.name, self.topology.timeout_s)
         self._strategies: dict = {}

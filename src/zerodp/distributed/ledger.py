@@ -21,7 +21,8 @@ __all__ = ["CommLedger", "CommRecord", "PHASES"]
 PHASES = ("init", "forward", "backward", "step", "control", "checkpoint")
 
 # Elements moved per element of the full tensor, by op (see the module docstring).
-VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+# An all-to-all (qgZ's levels) counts the elements of what it exchanges, like a reduce-scatter.
+VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}
 
 
 @dataclass(frozen=True)

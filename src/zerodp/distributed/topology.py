@@ -6,12 +6,18 @@ states over the ``shard`` axis; ranks along ``replicate`` hold the same shards (
 sharding, FSDP2's HSDP, ZeRO++'s hpZ, all shard within a node and replicate across nodes).
 Every flat layout is cut into ``shard`` pieces; gradients are averaged over all of the
 ``data`` ranks (both axes). Collectives name the axis they run on, and the comm ledger
-records bytes by axis, so intra-node and inter-node traffic stay separable. Today the
-``replicate`` axis has size 1: every rank shards over all ranks, and the DeviceMesh is the
-1-D ("shard",) one over the process group (an axis of one rank needs no process group).
+records bytes by axis, so intra-node and inter-node traffic stay separable. With one
+replicate row the DeviceMesh is the 1-D ("shard",) one over the process group (an axis of
+one rank needs no process group).
+
+ZeRO++ (hpZ, qgZ) splits a shard axis that spans nodes in two more axes: ``node``, the
+ranks of the row on this node, and ``cross_node``, the ranks of the row with this rank's
+place on the other nodes (one per node). Shard rank r is (node r // n, place r % n) for n
+ranks per node, since torchrun numbers ranks node by node.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,7 +32,7 @@ from ..config import ConfigError
 __all__ = ["AXES", "Topology"]
 
 # "data" is the whole data-parallel group: both mesh axes together.
-AXES = ("shard", "replicate", "data")
+AXES = ("shard", "replicate", "data", "node", "cross_node")
 
 # Meshes and zerodp's own process groups already built, by what they were built from, with
 # the group they were built over: initialize may run many times in one process, and each
@@ -51,11 +57,26 @@ class Topology:
     backend: Optional[str]
     timeout_s: Optional[float] = None  # of zerodp's own groups: [Note: no silent hang] in failure.py
     ranks_per_node: Optional[int] = None  # as torchrun says (LOCAL_WORLD_SIZE); None: not known
+    # The shard axis split by node (ZeRO++), when built with `node_axes`: see [Note: mesh axes].
+    node_group: Optional[dist.ProcessGroup] = None
+    cross_node_group: Optional[dist.ProcessGroup] = None
+    node_axes: bool = False
+
+    @property
+    def node_size(self) -> int:
+        """Ranks of the shard axis on this node (the ``node`` axis)."""
+        return min(self.ranks_per_node or self.shard_size, self.shard_size) if self.node_axes else 1
+
+    @property
+    def cross_node_size(self) -> int:
+        return self.shard_size // self.node_size if self.node_axes else 1
 
     def crosses_nodes(self, axis: str) -> bool:
         """Whether a group along `axis` holds ranks of more than one node. A row of the mesh
         is consecutive ranks and torchrun numbers ranks node by node ([Note: mesh axes])."""
         node, size, shard = self.ranks_per_node, self.world_size, self.shard_size
+        if axis in ("node", "cross_node"):
+            return axis == "cross_node" and self.cross_node_size > 1
         if node is None or node >= size:
             return False
         groups = {"shard": [range(r * shard, (r + 1) * shard) for r in range(self.replicate_size)],
@@ -79,13 +100,37 @@ class Topology:
         return self.replicate_rank * self.shard_size + self.shard_rank
 
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
-        return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group}[_axis(axis)]
+        return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group,
+                "node": self.node_group, "cross_node": self.cross_node_group}[_axis(axis)]
 
     def size(self, axis: str) -> int:
-        return {"shard": self.shard_size, "replicate": self.replicate_size, "data": self.world_size}[_axis(axis)]
+        return {"shard": self.shard_size, "replicate": self.replicate_size, "data": self.world_size,
+                "node": self.node_size, "cross_node": self.cross_node_size}[_axis(axis)]
 
     def rank_on(self, axis: str) -> int:
-        return {"shard": self.shard_rank, "replicate": self.replicate_rank, "data": self.rank}[_axis(axis)]
+        return {"shard": self.shard_rank, "replicate": self.replicate_rank, "data": self.rank,
+                "node": self.shard_rank % self.node_size,
+                "cross_node": self.shard_rank // self.node_size}[_axis(axis)]
+
+    def with_node_axes(self) -> "Topology":
+        """This topology with the shard axis split into ``node`` and ``cross_node`` (ZeRO++),
+        nodes as torchrun says; each axis of one rank has no process group. Raises
+        ConfigError naming the fix if the nodes are unknown or do not tile the shard axis."""
+        if self.world_size == 1:
+            return dataclasses.replace(self, node_axes=True, ranks_per_node=1)
+        if self.ranks_per_node is None:
+            ranks_per_node()  # raises, naming what torchrun did not say
+            raise ConfigError("Config.hpz / quantize_grads need the default process group (torchrun's ranks)")
+        n = min(self.ranks_per_node, self.shard_size)
+        if self.replicate_size != 1 or self.shard_size % n:
+            raise ConfigError(f"Config.hpz / quantize_grads: the {self.shard_size} ranks of the shard axis are not "
+                              f"whole nodes of {self.ranks_per_node} ranks: use a world size that is")
+        ranks = dist.get_process_group_ranks(self.shard_group)
+        node, place = divmod(self.shard_rank, n)
+        node_group = _subgroup(self.shard_group, ranks[node * n: (node + 1) * n], self.timeout_s) if n > 1 else None
+        cross = ranks[place::n]
+        cross_group = _subgroup(self.shard_group, cross, self.timeout_s) if len(cross) > 1 else None
+        return dataclasses.replace(self, node_group=node_group, cross_node_group=cross_group, node_axes=True)
 
     @classmethod
     def build(cls, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
@@ -145,6 +190,19 @@ def _known_ranks_per_node() -> Optional[int]:
         return ranks_per_node()
     except ConfigError:
         return None
+
+
+def _subgroup(parent: dist.ProcessGroup, ranks: list[int], timeout_s: Optional[float]) -> dist.ProcessGroup:
+    """A process group over `ranks` (a subset of `parent`'s, this rank among them), built
+    once and by its members alone."""
+    key = ("sub", parent.group_name, tuple(ranks), timeout_s)
+    built = _MESHES.get(key)
+    if built is not None and built[0] is parent:
+        return built[1]
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+    group = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+    _MESHES[key] = (parent, group)
+    return group
 
 
 def _axis(axis: str) -> str:

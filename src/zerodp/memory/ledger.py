@@ -2,7 +2,8 @@
 
 Categories follow the paper's model states (arXiv 1910.02054, §3.1): compute-dtype
 parameters, gradients, fp32 master weights and the optimizer's per-element states
-(Adam's exp_avg and exp_avg_sq), plus zerodp's pooled communication buffers.
+(Adam's exp_avg and exp_avg_sq), plus zerodp's pooled communication buffers and, under
+ZeRO++'s hpZ, the secondary parameter pieces kept from forward to backward.
 
 [Note: measured ledger]
 Nothing here is computed from a formula. Each storage kind (flat group, stage-3 unit,
@@ -22,7 +23,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers")
+CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "secondary_params")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class MemoryReport:
     master: int
     optimizer_states: int
     comm_buffers: int
+    secondary_params: int  # hpZ: the pool of node-sharded copies (its high-water mark: none is freed)
     numel: int  # Ψ: trainable elements, unpadded
     padded_numel: int  # Ψ with the flat buffers' padding
     world_size: int  # N of the formula: the ranks states are sharded over (the shard axis)
@@ -49,7 +51,7 @@ class MemoryReport:
     @property
     def total(self) -> int:
         """Every byte the engine and optimizer hold."""
-        return self.model_state + self.comm_buffers + self.other
+        return self.model_state + self.comm_buffers + self.secondary_params + self.other
 
     def as_dict(self) -> dict:
         out = asdict(self)

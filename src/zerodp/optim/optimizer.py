@@ -449,6 +449,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         census.claim("grads", (m.grad for s in self._all_shards() for m in s.master_tensors))
         census.claim("optimizer_states", (v for p, state in self.inner.state.items()
                                           for v in state.values() if is_elementwise_state(v, p)))
+        census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
+        secondary = getattr(self.grad_sync, "secondary_pool", None)
+        census.claim("secondary_params", secondary.allocated if secondary is not None else ())
         pool = getattr(self.grad_sync, "pool", None)
         census.claim("comm_buffers", pool.allocated if pool is not None else ())
         for holder, t in walk_tensors(self):

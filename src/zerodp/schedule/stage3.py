@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -49,9 +49,11 @@ class _UnitView:
 class Stage3Engine(BackwardSchedule):
     """The schedule: when each unit is gathered, freed and reduced."""
 
-    def __init__(self, units: list[FlatUnit], comm: Comm, config: Config, pool: BufferPool):
+    def __init__(self, units: list[FlatUnit], comm: Comm, config: Config, pool: BufferPool,
+                 secondary_pool: Optional[BufferPool] = None):
         super().__init__(comm, config.grad_accumulation_steps, config.reduce_each_micro_batch)
         self.units, self.config, self.pool = units, config, pool
+        self.secondary_pool = secondary_pool  # hpZ's node pieces, kept from forward to backward
         self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
         self.root = len(units) - 1
         self.forward_order: list[int] = []
@@ -123,15 +125,15 @@ class Stage3Engine(BackwardSchedule):
                                f"must run the same units in the same order (same branches, same number of steps)")
 
     def gather(self, ui: int) -> None:
-        """Gather unit `ui` now and wait for it (outside forward and backward)."""
-        self._gather(ui, "forward", async_op=False)
+        """Gather unit `ui`'s exact values now and wait for it (outside forward and backward)."""
+        self._gather(ui, "forward", async_op=False, exact=True)
         self.units[ui].wait()
 
-    def _gather(self, ui: int, phase: str, async_op: bool) -> None:
+    def _gather(self, ui: int, phase: str, async_op: bool, exact: bool = False) -> None:
         unit = self.units[ui]
         if unit.state is UnitState.SHARDED:
             self._check_same_unit(f"{phase} gather of unit {unit.name}")
-            unit.unshard(phase, async_op=async_op)
+            unit.unshard(phase, async_op=async_op, exact=exact)
             self._live.add(ui)
             held = sum(u.full_nbytes for u in self.units if u.state is not UnitState.SHARDED)
             self.gathered_peak_nbytes = max(self.gathered_peak_nbytes, held)
@@ -178,7 +180,7 @@ class Stage3Engine(BackwardSchedule):
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
             if self.config.reshard_after_forward or not training:
-                self.units[ui].reshard()
+                self.units[ui].reshard(keep_secondary=training)  # hpZ keeps a node piece for backward
             if ui == self.root:
                 # Prefetched units that this forward did not run are freed.
                 for uj, unit in enumerate(self.units):

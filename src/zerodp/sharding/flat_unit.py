@@ -17,6 +17,7 @@ unit's buffer of the moment, which backward has gathered again (stage3.py).
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,10 +29,20 @@ from ..memory import hostmem
 from ..memory.layout import FlatLayout, Piece
 from ..memory.pool import BufferPool
 
-__all__ = ["FlatUnit", "UnitGroupView", "UnitState"]
+__all__ = ["FlatUnit", "SecondaryPartition", "UnitGroupView", "UnitState"]
 
 # A unit is one segment: gathered and reduced with one collective each.
 ONE_SEGMENT = 1 << 62
+
+
+@dataclass(frozen=True)
+class SecondaryPartition:
+    """hpZ (ZeRO++): where a unit keeps its parameters between a training forward and its
+    backward, sharded over the node's ranks: the node axis's strategy and the pool of
+    those pieces (the ledger's `secondary_params`)."""
+
+    collectives: Collectives
+    pool: BufferPool
 
 
 class UnitState(enum.Enum):
@@ -45,10 +56,17 @@ class FlatUnit:
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
-                 sync_from_rank0: bool = True, collectives: Optional[Collectives] = None):
+                 sync_from_rank0: bool = True, transfer: Optional[Collectives] = None,
+                 secondary: Optional[SecondaryPartition] = None):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         # Sharded over the mesh's shard axis; gradients averaged over every data-parallel rank.
-        self.collectives = collectives if collectives is not None else comm.collectives("shard")
+        # `collectives` move exact values (checkpoints, state dicts); `transfer` is what
+        # training's gathers and reduce-scatters use (ZeRO++'s quantized ones, or the same).
+        self.collectives = comm.collectives("shard")
+        self.transfer = transfer if transfer is not None else self.collectives
+        # On one node the node axis is the shard axis: a secondary copy would be the shard again.
+        self.secondary = secondary if secondary is not None and secondary.collectives.size < comm.shard_size else None
+        self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: this rank's node piece of the last forward's gather
         self.rank, self.data_size = comm.shard_rank, comm.world_size
         self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT)
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
@@ -87,15 +105,21 @@ class FlatUnit:
         self.state = UnitState.SHARDED
 
     # -- gather / free (see [Note: unit storage]) ----------------------------------------
-    def unshard(self, phase: str, async_op: bool) -> None:
+    def unshard(self, phase: str, async_op: bool, exact: bool = False) -> None:
+        """Gather the unit's parameters: with `exact`, their stored values (never quantized:
+        for gathered_parameters, which may write them back)."""
         if self.state is not UnitState.SHARDED:
             return
         if self.empty:
             self.state = UnitState.GATHERED
             return
         self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.shard.device)
-        self.work = self.collectives.all_gather(self.full, self.shard, phase, async_op=async_op,
-                                                label=f"unit {self.name}")
+        if self.secondary_shard is not None and phase == "backward":  # hpZ: inside the node only
+            self.work = self.secondary.collectives.all_gather(self.full, self.secondary_shard, phase,
+                                                              async_op=async_op, label=f"unit {self.name}")
+        else:
+            strategy = self.collectives if exact else self.transfer
+            self.work = strategy.all_gather(self.full, self.shard, phase, async_op=async_op, label=f"unit {self.name}")
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -108,16 +132,31 @@ class FlatUnit:
                     p.data = view
             self.state = UnitState.GATHERED
 
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
+        """Free the gathered parameters. With `keep_secondary` (after a training forward,
+        under hpZ) first keep this rank's piece of them over its node, for backward's
+        gather; otherwise drop any such piece."""
+        if not keep_secondary:
+            self.drop_secondary()
         if self.state is UnitState.SHARDED:
             return
         self.wait()
+        if keep_secondary and self.secondary is not None and self.full is not None and self.secondary_shard is None:
+            node = self.secondary.collectives
+            piece = self.full.view(node.size, -1)[node.rank]
+            self.secondary_shard = self.secondary.pool.get(piece.numel(), piece.dtype, piece.device)
+            self.secondary_shard.copy_(piece)
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
         if self.full is not None:
             self.pool.put(self.full)
             self.full = None
         self.state = UnitState.SHARDED
+
+    def drop_secondary(self) -> None:
+        if self.secondary_shard is not None:
+            self.secondary.pool.put(self.secondary_shard)
+            self.secondary_shard = None
 
     def _param_shard_views(self) -> list[torch.Tensor]:
         """Each parameter's owned elements as a 1-D view of `shard` (empty if none)."""
@@ -168,8 +207,8 @@ class FlatUnit:
             self._new_grad_full()
         self.grad_full.div_(self.data_size)  # average, dividing first as DDP does
         out = self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
-        return self.collectives.reduce_scatter(out, self.grad_full, "backward", async_op=async_op,
-                                               label=f"unit {self.name}")
+        return self.transfer.reduce_scatter(out, self.grad_full, "backward", async_op=async_op,
+                                            label=f"unit {self.name}")
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
@@ -229,7 +268,8 @@ class FlatUnit:
         The gathered buffer is the pool's (communication buffers); an unsharded gradient
         buffer still held between micro-batches is gradient memory."""
         return {"params": [self.shard],
-                "grads": [self.grad_shard, self.grad_full, *(p.grad for p in self.params)]}
+                "grads": [self.grad_shard, self.grad_full, *(p.grad for p in self.params)],
+                "secondary_params": [self.secondary_shard]}
 
 
 class UnitGroupView:

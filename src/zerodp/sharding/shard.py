@@ -11,7 +11,8 @@ from ..config import Config
 from ..distributed import Comm
 from ..memory.pool import BufferPool
 from .flat_group import FlatParamGroup
-from .flat_unit import FlatUnit, UnitGroupView
+from ..distributed.quantized import QuantizedCollectives
+from .flat_unit import FlatUnit, SecondaryPartition, UnitGroupView
 from .meta_init import check_same_initialisation, default_device, has_meta, materialize
 from .prepare import apply_compute_dtype, replicate_from_rank0
 from .units import assign_params, encloses, select_units
@@ -36,6 +37,7 @@ class ShardedUnits:
     group_views: list  # per param group: the UnitGroupViews of the units it has parameters in
     trainable: list
     pool: BufferPool
+    secondary_pool: BufferPool  # hpZ's node-sharded copies (empty without it)
 
 
 def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
@@ -67,7 +69,9 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
     remaining = [len(idx) for idx in assignment]
     current = {i: p for i, (_, p) in enumerate(named)}
     built: dict[int, FlatUnit] = {}
-    pool = BufferPool()
+    pool, secondary_pool = BufferPool(), BufferPool()
+    transfer = training_collectives(comm, config)
+    secondary = SecondaryPartition(comm.collectives("node"), secondary_pool) if config.hpz else None
     # A model born on the meta device is initialised identically on every rank from the
     # seed (meta_init.py), so its units need no broadcast from rank 0.
     born_sharded = has_meta(model)
@@ -76,7 +80,7 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
         idx = assignment[ui]
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
                              comm, config.compute_dtype, config.grad_reduce_dtype, pool,
-                             sync_from_rank0=not born_sharded)
+                             sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary)
 
     if born_sharded:
         old_index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -112,4 +116,18 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
             if local:
                 views.append(UnitGroupView(u, local))
         group_views.append(views)
-    return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names)], pool)
+    return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names)], pool,
+                        secondary_pool)
+
+
+def training_collectives(comm: Comm, config: Config):
+    """The strategy of stage 3's training gathers and reduce-scatters: ZeRO++'s quantized
+    one where Config asks for qwZ or qgZ ([Note: blockwise quantization] in
+    distributed/quantized.py), else the shard axis's own."""
+    exact = comm.collectives("shard")
+    if not config.quantize_weights and config.quantize_grads is None:
+        return exact
+    hierarchical = config.quantize_grads is not None
+    return QuantizedCollectives(exact, 8 if config.quantize_weights else None, config.grad_quantization_bits,
+                                config.quantize_block_size, comm.collectives("node") if hierarchical else None,
+                                comm.collectives("cross_node") if hierarchical else None)

@@ -1,0 +1,146 @@
+"""ZeRO++ at 2 nodes x 2 ranks: hpZ keeps the maths and moves backward's gather inside the
+node; qwZ and qgZ stay within the quantization error derived in [Note: blockwise
+quantization]; the ledger's bytes per link follow docs/multinode.md's formulas exactly."""
+import pytest
+import torch
+
+import zerodp
+from harness import run_world
+from test_core import BF16_TOL, FP32_TOL
+from zeropp_cases import BLOCK, NODE, NODES, OPTIMIZERS, Net, max_rel_diff, payload, zeropp_world
+
+WORLD = NODE * NODES
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_world(WORLD, zeropp_world, str(tmp_path_factory.mktemp("zeropp")), timeout_s=400)
+
+
+def test_quantized_collectives_stay_within_the_derived_bound(results):
+    for r in results:
+        b = r["bounds"]
+        # Each element within max|block| / 254 (qwZ), and the sum of each level's
+        # max|block| / (2 qmax) (qgZ); 1e-5 of slack for fp32 rounding in the arithmetic.
+        for kind in ("qwz", "qgz8", "qgz4"):
+            assert 0 < b[kind]["err"] and b[kind]["ratio"] <= 1 + 1e-5, (kind, b[kind])
+        assert b["qgz4"]["err"] > b["qgz8"]["err"]  # int4's 15 levels are coarser than int8's 255
+    # qwZ: every rank dequantizes every payload, its own too, so all compute with the same weights.
+    assert len({r["bounds"]["qwz"]["checksum"] for r in results}) == 1
+
+
+def test_hpz_is_plain_stage_3_bit_for_bit_and_ddp_within_fp32(results):
+    for r in results:
+        t = r["training"]
+        for opt in ("sgd", "adamw"):
+            hpz, plain = t[("hpz", opt)], t[("plain", opt)]
+            # hpZ changes where backward gathers from, not the values: the very same bits.
+            assert all(torch.equal(hpz["params"][n], plain["params"][n]) for n in plain["params"])
+            assert hpz["diff"] <= FP32_TOL and plain["diff"] <= FP32_TOL, (hpz["diff"], plain["diff"])
+
+
+def test_one_quantized_step_is_within_the_gradient_bound(results):
+    for r in results:
+        for bits, case in r["one_step"].items():
+            # lr = 1, plain SGD: the update's error is the reduced gradient's; bounded by
+            # the derivation with each block's max replaced by the rank's whole gradient's.
+            assert 0 < case["err"] <= case["bound"] * (1 + 1e-5), (bits, case)
+
+
+def test_quantized_training_follows_plain_stage_3(results):
+    for r in results:
+        t = r["training"]
+        for variant in ("qwz", "qgz8", "qgz4", "all"):
+            for opt in ("sgd", "adamw"):
+                case, plain = t[(variant, opt)], t[("plain", opt)]
+                # 5 steps of the test MLP: the losses within 2% of unquantized stage 3's
+                # (the weights differ by the few quantization steps' errors).
+                gap = max(abs(a - b) / b for a, b in zip(case["losses"], plain["losses"]))
+                assert gap <= 0.02, (variant, opt, gap)
+                assert case["diff"] > FP32_TOL  # quantized: not the same maths
+
+
+def expected_bytes(variant: str, units: list, elem: int = 4, block: int = BLOCK, grad_bits: int = 4) -> dict:
+    """Bytes per step by link for the test's variants (docs/multinode.md): units of P_u
+    padded elements, c_u = P_u / N per rank, n ranks per node, M nodes, B = BLOCK."""
+    n, m, world = NODE, NODES, WORLD
+    gather = sum(p * elem for p in units)  # one all-gather (or reduce-scatter) of every unit
+    qwz = sum(world * payload(p // world, 8, block) for p in units)
+    fwd = qwz if variant in ("qwz", "all") else gather
+    if variant in ("hpz", "all"):
+        bwd_inter, bwd_intra = 0, gather
+    else:
+        bwd_inter, bwd_intra = (qwz if variant == "qwz" else gather), 0
+    bits = {"qgz8": 8, "qgz4": 4, "all": grad_bits}.get(variant)
+    if bits is None:
+        rs_inter, rs_intra = gather, 0
+    else:
+        rs_intra = sum(n * payload(m * (p // world), bits, block) for p in units)
+        rs_inter = sum(m * payload(p // world, bits, block) for p in units)
+    return {"inter_node": fwd + bwd_inter + rs_inter, "intra_node": bwd_intra + rs_intra}
+
+
+@pytest.mark.parametrize("variant", ["plain", "hpz", "qwz", "qgz8", "qgz4", "all"])
+def test_bytes_per_link_match_the_formulas(results, variant):
+    for r in results:
+        case = r["training"][(variant, "sgd")]
+        assert case["by_link"] == expected_bytes(variant, case["units"]), (variant, case["by_link"], case["by_op"])
+
+
+
+def test_the_formulas_give_the_papers_reduction_at_scale():
+    # The test MLP's units are a few blocks each, so scales and padding dominate its bytes;
+    # at a 124M model's unit sizes and the default block (1024) the formulas above give:
+    units, block = [7 * 2**20 + 2**16] * 12, zerodp.Config().quantize_block_size
+    for elem, at_least in ((4, 9.5), (2, 4.7)):
+        plain = expected_bytes("plain", units, elem, block)["inter_node"]
+        every = expected_bytes("all", units, elem, block)["inter_node"]
+        # 3 x elem bytes per element across nodes -> an int8 forward gather (1 byte) and int4
+        # of 1/n of the gradient (0.25 byte at n = 2): 9.57x in fp32, 4.79x in bf16, where
+        # the paper's accounting (3 -> 0.75 fp16 elements) gives 4x.
+        assert plain / every >= at_least, (elem, plain / every)
+        if elem == 2:
+            assert every < 0.75 * 2 * sum(units)
+
+
+def test_hpz_holds_its_secondary_copy_in_the_ledger(results):
+    for r in results:
+        t = r["training"]
+        # Between forward and backward every unit keeps 1/n of itself: sum P_u / n x 4 bytes.
+        assert t[("hpz", "sgd")]["secondary"] == sum(p // NODE * 4 for p in t[("hpz", "sgd")]["units"])
+        assert t[("plain", "sgd")]["secondary"] == 0
+
+
+def test_low_precision_accumulation_clipping_and_debug(results):
+    for r in results:
+        p = r["paths"]
+        for precision in ("bf16", "fp16"):
+            case = p[precision]
+            assert case["skipped"] == 0
+            # Plain stage 3 in 16-bit is within the 16-bit parity tolerance of DDP. All three
+            # (int8 gradients) add int8 errors to weights and gradients; an element whose gradient is
+            # near 0 can then take Adam steps (lr 1e-2) of the other sign: within two of them,
+            # and the losses within 2% of DDP's.
+            assert case["plain_diff"] <= BF16_TOL and case["diff"] <= 2e-2, (precision, case)
+            assert case["loss_gap"] <= 0.02 * max(case["ref_losses"]), (precision, case)
+            sixteen = expected_bytes("all", case["units"], elem=2, grad_bits=8)
+            assert case["by_link"] == sixteen, (precision, case["by_link"], sixteen)
+            assert case["plain_by_link"] == expected_bytes("plain", case["units"], elem=2)
+        acc = p["accumulation"]
+        # fp32 SGD, 2 micro-batches, clipped, all three quantized parts: within 2% of DDP's
+        # gradient norm and 1e-2 of its weights over 5 steps.
+        assert acc["norm_gap"] <= 0.02 and acc["diff"] <= 1e-2, acc
+        assert p["hpz_accumulation"] <= FP32_TOL
+
+
+def test_checkpoint_saved_with_zeropp_loads_without_it_and_at_another_world_size(results):
+    p = results[0]["paths"]
+    for r in results:
+        assert r["paths"]["loaded"] == 0.0  # the same 4 ranks, plain stage 2: bitwise
+    torch.manual_seed(1)
+    model, opt = zerodp.initialize(Net(), OPTIMIZERS["adamw"], zerodp.Config(stage=3, unit_min_params=10))
+    zerodp.load(p["path"], model, opt)  # one process
+    with zerodp.gathered_parameters(model):
+        for n, t in model.named_parameters():
+            assert torch.equal(t.detach(), p["saved"][n]), n
+    assert max_rel_diff(model, model) == 0.0
