@@ -146,19 +146,16 @@ def test_sigkill_mid_step_and_mid_save_resumes_bit_for_bit(stage, plan, plain_st
     assert not [n for n in os.listdir(out / "ckpt") if ".tmp-" in n or ".old-" in n]
 
 
-def test_two_torchrun_nodes_train_stage_3_and_resume_on_one_node(tmp_path):
+def two_torchrun_nodes(tmp_path, *args: str) -> dict:
     """Two torchrun launches, --nnodes 2 with two processes each, static rendezvous on
-    127.0.0.1: stage 3 with hybrid sharding by node (Config.replicate_size="nodes": the
-    mesh's rows are what torchrun calls nodes) trains to completion across the two "nodes";
-    its checkpoint then resumes without hybrid sharding on one node at world size 1."""
+    127.0.0.1, of the demo with `args`; returns its summary."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     job = ["-m", "zerodp.demo.train", "--model", "tiny", "--stage", "3", "--steps", "8", "--lr", "1e-2",
-           "--replicate-size", "nodes", "--batch-size", "4",
-           "--ckpt-every", "4", "--eval-every", "8", "--sample-tokens", "0", "--out", str(tmp_path / "two")]
+           "--batch-size", "4", "--eval-every", "8", "--sample-tokens", "0", "--out", str(tmp_path / "two"), *args]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -168,6 +165,26 @@ def test_two_torchrun_nodes_train_stage_3_and_resume_on_one_node(tmp_path):
         assert n.returncode == 0, err[-4000:]
     s = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert s["world_size"] == 4 and s["stage"] == 3 and len(s["losses"]) == 8
+    return s
+
+
+def test_two_torchrun_nodes_train_with_zeropp(tmp_path):
+    """hpZ, qwZ and qgZ take the nodes from torchrun: backward's gathers and the first
+    level of the gradient reduction stay inside each launch's two ranks."""
+    config = tmp_path / "zeropp.json"
+    config.write_text(json.dumps({"stage": 3, "hpz": True, "quantize_weights": True, "quantize_grads": "int8"}))
+    s = two_torchrun_nodes(tmp_path, "--config", str(config))
+    assert s["config"]["hpz"] and s["config"]["quantize_grads"] == "int8"
+    link = s["nbytes_by_link_last_step"]
+    assert link["intra_node"] > 0 and link["inter_node"] > 0, link
+    assert s["losses"][-1][1] < s["losses"][0][1]
+
+
+def test_two_torchrun_nodes_train_stage_3_and_resume_on_one_node(tmp_path):
+    """Stage 3 with hybrid sharding by node (Config.replicate_size="nodes": the mesh's rows
+    are what torchrun calls nodes) trains to completion across two torchrun "nodes"; its
+    checkpoint then resumes without hybrid sharding on one node at world size 1."""
+    s = two_torchrun_nodes(tmp_path, "--replicate-size", "nodes", "--ckpt-every", "4")
     assert s["mesh"] == {"replicate": 2, "shard": 2} and s["config"]["replicate_size"] == 2
     assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["step_000004", "step_000008"]
     proc = zerodp_cmd("train", "--model", "tiny", "--nproc", 1, "--stage", 3, "--steps", 10, "--lr", "1e-2",

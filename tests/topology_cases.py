@@ -64,9 +64,9 @@ def topology_world(rank: int, world_size: int) -> dict:
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         model, opt = zerodp.initialize(model, torch.optim.SGD, zerodp.Config(stage=3, unit_min_params=10), lr=0.1)
         if strategy == "half":
-            for unit in opt.stage3.units:
-                unit.collectives = HalfOnTheWire(unit.collectives.group, "shard", unit.collectives.size,
-                                                 unit.collectives.rank, opt.comm.ledger, opt.comm.device)
+            for unit in opt.stage3.units:  # training's strategy (checkpoints keep the exact one)
+                unit.transfer = HalfOnTheWire(unit.collectives.group, "shard", unit.collectives.size,
+                                              unit.collectives.rank, opt.comm.ledger, opt.comm.device)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
         opt.backward(model(x).square().mean())
         opt.step()

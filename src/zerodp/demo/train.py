@@ -292,11 +292,13 @@ class Job:
             self.opt.zero_grad()
             dt = time.perf_counter() - t0
             mem = self.opt.memory_report()
-            volume = ledger.volume([r for r in ledger.last_step if id(r) not in not_step])
+            records = [r for r in ledger.last_step if id(r) not in not_step]
+            volume = ledger.volume(records)
             not_step.clear()
             self.losses.append((step, loss_val))
             self.steps_info.append({"step": step, "loss": loss_val, "seconds": dt,
-                                    "model_state_nbytes": mem.model_state, "volume_numel": volume})
+                                    "model_state_nbytes": mem.model_state, "volume_numel": volume,
+                                    "nbytes_by_link": ledger.summary(records)["nbytes_by_link"]})
             bar.set_postfix_str(f"loss {loss_val:.3f} | {tokens_per_step / dt:,.0f} tok/s | "
                                 f"state/rank {fmt_bytes(mem.model_state)} | comm {fmt_numel(volume)} el",
                                 refresh=False)
@@ -354,6 +356,7 @@ class Job:
             "model_state_formula_nbytes": estimator.model_state_bytes(psi, n, cfg.stage, k, pb, gb),
             "model_state_ddp_nbytes": estimator.model_state_bytes(psi, n, 0, k, pb, gb),
             "volume_numel_last_step": volumes[-1] if volumes else 0,
+            "nbytes_by_link_last_step": steps_run[-1]["nbytes_by_link"] if steps_run else {},
             "volume_numel_expected": expected_factor * psi,
             "volume_factor": expected_factor,
             "loss": {"first": first, "last": sum(tail) / max(1, len(tail)),
