@@ -313,6 +313,12 @@ class Stage3Engine(BackwardSchedule):
         self.reduce_order = self.agreed_order([ui for ui in reversed(self.forward_order) if ui != self.root],
                                               self.reduce_order)
 
+    def after_step(self) -> None:
+        """The shards changed: a node piece kept by a forward that had no backward (hpZ) is stale."""
+        super().after_step()
+        for unit in self.units:
+            unit.drop_secondary()
+
     def reset(self) -> None:
         """After a backward or forward that raised ([Note: failed backward] in schedule/base.py):
         wait for reductions in flight, drop unreduced gradients, free every gathered unit."""

@@ -141,11 +141,12 @@ class FlatUnit:
         if self.state is UnitState.SHARDED:
             return
         self.wait()
-        if keep_secondary and self.secondary is not None and self.full is not None and self.secondary_shard is None:
+        if keep_secondary and self.secondary is not None and self.full is not None:
             node = self.secondary.collectives
             piece = self.full.view(node.size, -1)[node.rank]
-            self.secondary_shard = self.secondary.pool.get(piece.numel(), piece.dtype, piece.device)
-            self.secondary_shard.copy_(piece)
+            if self.secondary_shard is None:
+                self.secondary_shard = self.secondary.pool.get(piece.numel(), piece.dtype, piece.device)
+            self.secondary_shard.copy_(piece)  # this forward's values, the ones its backward needs
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
         if self.full is not None:
