@@ -7,7 +7,7 @@ import torch
 import zerodp
 from harness import run_world
 from test_core import BF16_TOL, FP32_TOL
-from zeropp_cases import BLOCK, NODE, NODES, OPTIMIZERS, Net, max_rel_diff, payload, zeropp_world
+from zeropp_cases import BLOCK, NODE, NODES, OPTIMIZERS, Net, payload, zeropp_world
 
 WORLD = NODE * NODES
 
@@ -22,9 +22,10 @@ def test_quantized_collectives_stay_within_the_derived_bound(results):
         b = r["bounds"]
         # Each element within max|block| / 254 (qwZ), and the sum of each level's
         # max|block| / (2 qmax) (qgZ); 1e-5 of slack for fp32 rounding in the arithmetic.
-        for kind in ("qwz", "qgz8", "qgz4"):
-            assert 0 < b[kind]["err"] and b[kind]["ratio"] <= 1 + 1e-5, (kind, b[kind])
-        assert b["qgz4"]["err"] > b["qgz8"]["err"]  # int4's 15 levels are coarser than int8's 255
+        # (1e-4 of slack: rounding x / s and code x s in fp32 adds up to ~127 x 2^-24 each.)
+        for kind in ("qwz", *(f"qgz{bits}/{split}" for bits in (8, 4) for split in ("2x2", "1x4", "4x1"))):
+            assert 0 < b[kind]["err"] and b[kind]["ratio"] <= 1 + 1e-4, (kind, b[kind])
+        assert b["qgz4/2x2"]["err"] > b["qgz8/2x2"]["err"]  # int4's 15 levels are coarser than int8's 255
     # qwZ: every rank dequantizes every payload, its own too, so all compute with the same weights.
     assert len({r["bounds"]["qwz"]["checksum"] for r in results}) == 1
 
@@ -75,7 +76,7 @@ def expected_bytes(variant: str, units: list, elem: int = 4, block: int = BLOCK,
     if bits is None:
         rs_inter, rs_intra = gather, 0
     else:
-        rs_intra = sum(n * payload(m * (p // world), bits, block) for p in units)
+        rs_intra = sum(n * m * payload(p // world, bits, block) for p in units)  # each chunk on its own
         rs_inter = sum(m * payload(p // world, bits, block) for p in units)
     return {"inter_node": fwd + bwd_inter + rs_inter, "intra_node": bwd_intra + rs_intra}
 
@@ -143,4 +144,25 @@ def test_checkpoint_saved_with_zeropp_loads_without_it_and_at_another_world_size
     with zerodp.gathered_parameters(model):
         for n, t in model.named_parameters():
             assert torch.equal(t.detach(), p["saved"][n]), n
-    assert max_rel_diff(model, model) == 0.0
+
+
+@pytest.mark.parametrize("net", ["CheckpointedNet", "ReentrantNet"])
+def test_hpz_under_activation_checkpointing_gathers_inside_the_node(results, net):
+    for r in results:
+        runs = r["paths"][f"checkpoint/{net}"]
+        plain, hpz = runs["plain"], runs["hpz"]
+        assert all(torch.equal(a, b) for a, b in zip(plain["params"], hpz["params"])) and plain["losses"] == hpz["losses"]
+        # Reentrant checkpointing runs forward under no_grad: hpZ still keeps the node piece
+        # for the recomputation, so the bytes are hpZ's formula in both modes.
+        assert hpz["by_link"] == expected_bytes("hpz", hpz["units"]), (net, hpz["by_link"])
+
+
+def test_an_inf_under_fp16_with_quantized_gradients_skips_the_step_on_every_rank(results):
+    for r in results:
+        assert r["paths"]["fp16_inf"] == {"skipped": True, "scale": 512.0}, r["paths"]["fp16_inf"]
+
+
+def test_qgz_reducing_once_at_the_boundary_follows_ddp(results):
+    for r in results:
+        # int8 blocks of 16 on the test MLP over 5 SGD steps: within 1e-2 of DDP's weights.
+        assert r["paths"]["reduce_once"] <= 1e-2, r["paths"]["reduce_once"]

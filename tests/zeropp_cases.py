@@ -50,29 +50,51 @@ def collective_bounds(rank: int, world_size: int) -> dict:
     out["qwz"] = {"err": float((gathered - exact).abs().max()),
                   "ratio": float(((gathered - exact).abs() / bound.clamp_min(1e-30)).max()),
                   "checksum": float(gathered.double().sum())}
+    # qgZ over 2 nodes x 2, and over the degenerate splits: one node of 4 (level 1 only) and
+    # 4 nodes of 1 (level 2 only); the replicate axis is a size-1 stand-in for a trivial level.
+    splits = {"2x2": (comm.collectives("node"), comm.collectives("cross_node")),
+              "1x4": (comm.collectives("shard"), comm.collectives("replicate")),
+              "4x1": (comm.collectives("replicate"), comm.collectives("shard"))}
     for bits in (8, 4):
         qmax = 2 ** (bits - 1) - 1
         fulls = [torch.randn(chunk * world_size, generator=torch.Generator().manual_seed(100 + r)) for r in
                  range(world_size)]
-        qgz = QuantizedCollectives(comm.collectives("shard"), None, bits, BLOCK, comm.collectives("node"),
-                                   comm.collectives("cross_node"))
-        mine = torch.empty(chunk)
-        qgz.reduce_scatter(mine, fulls[rank].clone(), "backward")
-        exact = sum(fulls)[rank * chunk:(rank + 1) * chunk]
-        # The bound, from the inputs alone: level 1 on node m' quantizes row `place` (the
-        # chunks m'' n + place of each of its ranks), level 2 each node's sum of this chunk.
-        place, node = rank % NODE, rank // NODE
-        total = torch.zeros(chunk)
-        for m in range(NODES):
-            ranks = range(m * NODE, (m + 1) * NODE)
-            rows = [fulls[i].view(NODES, NODE, chunk)[:, place].reshape(-1) for i in ranks]
-            level1 = sum(block_absmax(r, BLOCK) for r in rows).view(NODES, chunk)[node] / (2 * qmax)
-            node_sum = sum(fulls[i] for i in ranks)[rank * chunk:(rank + 1) * chunk]
-            level2 = block_absmax(node_sum.abs() + level1, BLOCK) / (2 * qmax)
-            total += level1 + level2
-        err = (mine - exact).abs()
-        out[f"qgz{bits}"] = {"err": float(err.max()), "ratio": float((err / total).max())}
+        for split, (node_axis, cross_axis) in splits.items():
+            qgz = QuantizedCollectives(comm.collectives("shard"), None, bits, BLOCK, node_axis, cross_axis)
+            mine = torch.empty(chunk)
+            qgz.reduce_scatter(mine, fulls[rank].clone(), "backward")
+            exact = sum(fulls)[rank * chunk:(rank + 1) * chunk]
+            # The bound, from the inputs alone: level 1 quantizes each rank's copy of this
+            # chunk, level 2 each node's sum of it (with its level-1 error); a level over one
+            # rank quantizes nothing.
+            n, m = node_axis.size, cross_axis.size
+            total = torch.zeros(chunk)
+            for node in range(m):
+                ranks = range(node * n, (node + 1) * n)
+                mine_of = [fulls[i][rank * chunk:(rank + 1) * chunk] for i in ranks]
+                level1 = sum(block_absmax(t, BLOCK) for t in mine_of) / (2 * qmax) if n > 1 else torch.zeros(chunk)
+                level2 = block_absmax(sum(mine_of).abs() + level1, BLOCK) / (2 * qmax) if m > 1 else 0.0
+                total += level1 + level2
+            err = (mine - exact).abs()
+            out[f"qgz{bits}/{split}"] = {"err": float(err.max()), "ratio": float((err / total).max())}
     return out
+
+
+class CheckpointedNet(Net):
+    """The test MLP with fc1 and fc2 run through torch.utils.checkpoint."""
+
+    reentrant = False
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.fc1, x, use_reentrant=self.reentrant)
+        y = checkpoint(self.fc2, torch.tanh(self.norm(h)), use_reentrant=self.reentrant) * self.scale
+        return y
+
+
+class ReentrantNet(CheckpointedNet):
+    reentrant = True
 
 
 def unit_numels(opt) -> list[int]:
@@ -156,6 +178,33 @@ def low_precision_and_paths(rank: int, world_size: int, root: str) -> dict:
         **UNITS, grad_accumulation_steps=2, debug=True, hpz=True), rank, clip=0.05, micro_batches=2)
     with zerodp.gathered_parameters(model):
         out["hpz_accumulation"] = max_rel_diff(model, ref)
+    # hpZ under activation checkpointing, both modes: the recomputation gathers inside the
+    # node too, and the results are plain stage 3's with the same checkpointing.
+    for model_fn in (CheckpointedNet, ReentrantNet):
+        runs = {}
+        for variant in ("plain", "hpz"):
+            model, opt, losses, _, volumes = train_zerodp(model_fn, OPTIMIZERS["sgd"], zerodp.Config(
+                **UNITS, **VARIANTS[variant]), rank)
+            with zerodp.gathered_parameters(model):
+                runs[variant] = {"params": [p.detach().clone() for p in model.parameters()], "losses": losses,
+                                 "by_link": volumes[-1]["nbytes_by_link"], "units": unit_numels(opt)}
+        out[f"checkpoint/{model_fn.__name__}"] = runs
+    # An inf on one rank under fp16 with all three: every rank skips the step, the scale backs off.
+    torch.manual_seed(0)
+    model, opt = zerodp.initialize(Net(), OPTIMIZERS["sgd"], zerodp.Config(
+        **UNITS, mixed_precision="fp16", initial_loss_scale=1024.0, **everything))
+    x, y = batch(0, rank)
+    loss = loss_fn(model(x), y) * (float("inf") if rank == 1 else 1.0)
+    opt.backward(loss)
+    opt.step()
+    out["fp16_inf"] = {"skipped": opt.step_was_skipped, "scale": opt.scaler.scale}
+    # qgZ reducing once at the boundary (reduce_each_micro_batch=False), synchronously.
+    ref, _, _ = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank)
+    model, opt, _, _, _ = train_zerodp(Net, OPTIMIZERS["sgd"], zerodp.Config(
+        **UNITS, grad_accumulation_steps=2, reduce_each_micro_batch=False, overlap_comm=False,
+        quantize_grads="int8", quantize_block_size=BLOCK), rank, micro_batches=2)
+    with zerodp.gathered_parameters(model):
+        out["reduce_once"] = max_rel_diff(model, ref)
     path = os.path.join(root, "zeropp")
     model, opt, _, _, _ = train_zerodp(Net, OPTIMIZERS["adamw"], zerodp.Config(
         **UNITS, **dict(everything, quantize_grads="int4")), rank)

@@ -66,7 +66,7 @@ def _resolve_nodes(config: Config, process_group) -> Config:
     """Config.replicate_size="nodes" as a number: one row of the mesh per torchrun node."""
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_world_size() > 1 and (config.hpz or config.quantize_grads is not None):
-        local = ranks_per_node()  # ZeRO++'s hierarchy needs the nodes: raises here, before any collective
+        local = ranks_per_node("Config.hpz / quantize_grads")  # raises here, before any collective
         if dist.get_world_size() % local or (process_group is not None and process_group != dist.group.WORLD):
             raise ConfigError(f"Config.hpz / quantize_grads split the ranks by node: {dist.get_world_size()} "
                               f"ranks are not whole nodes of {local}, or a process_group of your own was given")

@@ -16,7 +16,8 @@ dequantizes all of them, its own included, so that every rank computes with the 
 weights. qgZ, the hierarchical reduce-scatter: shard rank r = (node r // n, place r % n);
 chunk k of the full gradient is owned by rank k. Level 1, inside the node: rank (m, j)
 gathers the chunks of every node's place j, {m' n + j}, from its node's n ranks (one
-all-to-all of quantized payloads) and sums them dequantized in fp32. Level 2, across nodes:
+all-to-all of quantized payloads, each chunk quantized on its own, so that a block never
+straddles two owners) and sums them dequantized in fp32. Level 2, across nodes:
 it re-quantizes each of those M node sums and sends chunk m' n + j to node m' (one
 all-to-all among the ranks at place j), then sums the M it receives into its own chunk.
 So each level adds at most one quantization error, the sums are fp32, and only 1/n of the
@@ -55,14 +56,18 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
     count, numel = rows.shape
     blocks = math.ceil(numel / block)
-    padded = torch.zeros(count, blocks * block, dtype=torch.float32, device=x.device)
-    padded[:, :numel] = rows
-    padded = padded.view(count, blocks, block)
+    if numel == blocks * block and rows.dtype == torch.float32:
+        padded = rows.reshape(count, blocks, block)
+    else:
+        padded = torch.zeros(count, blocks * block, dtype=torch.float32, device=x.device)
+        padded[:, :numel] = rows
+        padded = padded.view(count, blocks, block)
     qmax = 2 ** (bits - 1) - 1
-    scale = padded.abs().amax(dim=2) / qmax
-    finite = torch.isfinite(padded).all(dim=2)
-    scale = torch.where(finite, torch.where(scale > 0, scale, torch.ones_like(scale)), torch.full_like(scale, math.nan))
-    codes = torch.nan_to_num(torch.round(padded / scale.unsqueeze(2)), 0.0).clamp_(-qmax, qmax)
+    scale = padded.abs().amax(dim=2)  # inf where a block holds one; nan propagates through amax
+    finite = torch.isfinite(scale)
+    scale = torch.where(finite, torch.where(scale > 0, scale / qmax, torch.ones_like(scale)),
+                        torch.full_like(scale, math.nan))
+    codes = torch.div(padded, scale.unsqueeze(2)).round_().nan_to_num_(0.0).clamp_(-qmax, qmax)
     codes = codes.to(torch.int8).view(count, -1)
     if bits == 8:
         packed = codes.view(torch.uint8)
@@ -81,7 +86,7 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torc
     blocks = math.ceil(numel / block)
     codes_nbytes = _codes_nbytes(numel, bits, block)
     packed = rows[:, :codes_nbytes]
-    scale = rows[:, codes_nbytes:].contiguous().view(torch.float32).view(count, blocks, 1)
+    scale = rows[:, codes_nbytes:].reshape(-1).clone().view(torch.float32).view(count, blocks, 1)
     if bits == 8:
         codes = packed.contiguous().view(torch.int8).to(torch.float32)
     else:
@@ -132,14 +137,16 @@ class QuantizedCollectives(Collectives):
         # Records first, on every rank in the same order ([Note: step fingerprint] in comm.py).
         first = second = None
         if n > 1:
-            first = self.ledger.record("all_to_all", n * m * c, n * payload_nbytes(m * c, bits, block), phase,
+            first = self.ledger.record("all_to_all", n * m * c, n * m * payload_nbytes(c, bits, block), phase,
                                        "node", label)
         if m > 1:
             second = self.ledger.record("all_to_all", m * c, m * payload_nbytes(c, bits, block), phase,
                                         "cross_node", label)
-        by_place = input.view(m, n, c).transpose(0, 1).reshape(n, m * c)  # row j: chunks m' n + j
+        # Row (j, m') is chunk m' n + j: place j's rows go to local rank j, one chunk a row,
+        # so that every block lies in one owner's chunk.
+        by_place = input.view(m, n, c).transpose(0, 1).reshape(n * m, c)
         if n == 1:
-            return self._across_nodes(output, by_place.view(m, c).float(), second, async_op)
+            return self._across_nodes(output, by_place.float(), second, async_op)
         # Level 1 is waited for here, so level 2 is issued now too: issued later, from a
         # wait, it would come at a different point on each rank (a wait's timing is each
         # rank's own) and could block a rank whose peers are in another collective.
@@ -147,7 +154,7 @@ class QuantizedCollectives(Collectives):
         received = torch.empty_like(send)
         guarded(first, self.failures, dist.all_to_all_single, received, send, group=self.node.group,
                 async_op=True).wait()
-        node_sums = dequantize(received, m * c, bits, block).sum(dim=0).view(m, c)
+        node_sums = dequantize(received, c, bits, block).view(n, m, c).sum(dim=0)
         return self._across_nodes(output, node_sums, second, async_op)
 
     def _across_nodes(self, output: torch.Tensor, node_sums: torch.Tensor, record, async_op: bool):

@@ -55,6 +55,7 @@ class Stage3Engine(BackwardSchedule):
         self.units, self.config, self.pool = units, config, pool
         self.secondary_pool = secondary_pool  # hpZ's node pieces, kept from forward to backward
         self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
+        self._forward_trains = False  # the model's current forward runs with gradients
         self.root = len(units) - 1
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
@@ -125,9 +126,11 @@ class Stage3Engine(BackwardSchedule):
                                f"must run the same units in the same order (same branches, same number of steps)")
 
     def gather(self, ui: int) -> None:
-        """Gather unit `ui`'s exact values now and wait for it (outside forward and backward)."""
+        """Gather unit `ui`'s exact values now and wait for it (outside forward and backward);
+        a unit already gathered through a quantized transfer is gathered again, exactly."""
         self._gather(ui, "forward", async_op=False, exact=True)
         self.units[ui].wait()
+        self.units[ui].make_exact()
 
     def _gather(self, ui: int, phase: str, async_op: bool, exact: bool = False) -> None:
         unit = self.units[ui]
@@ -152,6 +155,10 @@ class Stage3Engine(BackwardSchedule):
             if ui == self.root and not in_backward:
                 self.check_no_open_backward()
                 self._used.clear()
+                # A unit inside torch.utils.checkpoint(use_reentrant=True) runs under no_grad
+                # but is recomputed in backward: hpZ keeps its node piece whenever the model's
+                # forward trains.
+                self._forward_trains = torch.is_grad_enabled()
                 if torch.is_grad_enabled() and self._saved_hooks is None:
                     self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                     self._saved_hooks.__enter__()
@@ -180,7 +187,7 @@ class Stage3Engine(BackwardSchedule):
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
             if self.config.reshard_after_forward or not training:
-                self.units[ui].reshard(keep_secondary=training)  # hpZ keeps a node piece for backward
+                self.units[ui].reshard(keep_secondary=self._forward_trains)  # hpZ: a node piece for backward
             if ui == self.root:
                 # Prefetched units that this forward did not run are freed.
                 for uj, unit in enumerate(self.units):

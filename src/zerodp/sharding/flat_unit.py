@@ -67,6 +67,7 @@ class FlatUnit:
         # On one node the node axis is the shard axis: a secondary copy would be the shard again.
         self.secondary = secondary if secondary is not None and secondary.collectives.size < comm.shard_size else None
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: this rank's node piece of the last forward's gather
+        self.exact = True  # the gathered buffer holds the stored values (not a quantized transfer's)
         self.rank, self.data_size = comm.shard_rank, comm.world_size
         self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT)
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
@@ -114,6 +115,9 @@ class FlatUnit:
             self.state = UnitState.GATHERED
             return
         self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.shard.device)
+        # Whether `full` will hold the stored values exactly (not a quantized transfer's).
+        self.exact = exact or self.transfer is self.collectives or (self.secondary_shard is not None
+                                                                     and phase == "backward" and self.exact)
         if self.secondary_shard is not None and phase == "backward":  # hpZ: inside the node only
             self.work = self.secondary.collectives.all_gather(self.full, self.secondary_shard, phase,
                                                               async_op=async_op, label=f"unit {self.name}")
@@ -121,6 +125,15 @@ class FlatUnit:
             strategy = self.collectives if exact else self.transfer
             self.work = strategy.all_gather(self.full, self.shard, phase, async_op=async_op, label=f"unit {self.name}")
         self.state = UnitState.GATHERING
+
+    def make_exact(self) -> None:
+        """A gathered unit whose values came through a quantized transfer (qwZ) gets the
+        stored values instead, gathered again into the same buffer."""
+        if self.state is UnitState.SHARDED or self.empty or self.exact:
+            return
+        self.wait()
+        self.collectives.all_gather(self.full, self.shard, "forward", label=f"unit {self.name}")
+        self.exact = True
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
@@ -300,7 +313,9 @@ class UnitGroupView:
         self.unit.drop_initial_fp32()
 
     def publish(self, phase: str = "step") -> None:
-        """Nothing to publish: stage 3 gathers parameters when a unit next runs."""
+        """Nothing to publish: stage 3 gathers parameters when a unit next runs. A copy hpZ
+        kept of the old values is dropped."""
+        self.unit.drop_secondary()
 
     def zero_grad(self) -> None:
         if self.unit.grad_shard is not None:

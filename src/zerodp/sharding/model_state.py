@@ -60,8 +60,8 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         if asked_for_vars[0]:
             return
         for u in units:
-            if u.empty or u.state is not UnitState.SHARDED:
-                continue
+            if u.empty or (u.state is not UnitState.SHARDED and u.exact):
+                continue  # gathered exactly: torch's own state dict took the full values
             if rows.sharded:
                 wanted = {i: rows.row_range(slot.shape) for i, slot in enumerate(u.layout.slots)}
                 local = gather_runs(u.layout, u.shard, u.collectives, wanted, "checkpoint", label=f"unit {u.name}")
@@ -103,6 +103,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                 for i in found:
                     for _, s, n in u.layout.slot_pieces(i, u.rank):
                         u.shard[s: s + n].copy_(shard[s: s + n])
+                u.drop_secondary()  # hpZ's copy holds the values before the load
                 for i, p in enumerate(u.params):  # what torch's own load then copies: itself
                     for n in aliases[id(p)]:
                         if prefix + n in state_dict:
