@@ -330,9 +330,12 @@ def _error_of(fn):
 
 
 def core_world(rank, world_size):
+    from offload_cases import offload_grid
+
     return {
         "parity": parity_grid(rank, world_size),
         "special": special_cases(rank, world_size),
         "fp16": fp16_overflow(rank, world_size),
         "memory": memory_model_state(rank, world_size),
+        "offload": offload_grid(rank, world_size),
     }

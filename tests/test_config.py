@@ -12,7 +12,7 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
           "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
-          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size"}
+          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer"}
 
 
 def test_fields_are_pinned():
@@ -47,6 +47,8 @@ BAD = [
     ({"hpz": True, "stage": 3, "reshard_after_forward": False}, "hpz", "backward gathers nothing"),
     ({"quantize_block_size": 0, "stage": 3, "quantize_weights": True}, "quantize_block_size", "positive integer"),
     ({"hpz": 1, "stage": 3}, "hpz", "true or false"),
+    ({"offload_optimizer": "nvme"}, "offload_optimizer", "'host'"),
+    ({"offload_optimizer": "host", "stage": 0}, "offload_optimizer", "use stage 1, 2 or 3"),
     ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
 ]
 

@@ -23,6 +23,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Where Config.offload_optimizer may put the master and optimizer states.
+OFFLOAD_PLACES = ("none", "host")
+
 # Bits of each quantized format of `Config.quantize_grads`.
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 
@@ -144,6 +147,13 @@ class Config:
     (0.4% of the codes at 1024 int8) and its error is at most its largest |value| / 254
     (int8) or / 14 (int4)."""
 
+    offload_optimizer: str = "none"
+    """Stages 1-3, ZeRO-Offload: where the fp32 master and the optimizer states live and
+    the optimizer steps. "none": beside the parameters. "host": in host memory (pinned on
+    CUDA), the step on the CPU; gradients are copied down and the updated parameters up
+    every step (docs/offload.md). On a CPU-only run host is the same memory, and the copies
+    still happen, so the path is the one a GPU run takes."""
+
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
     rank raises an error naming the ranks that did not arrive and the collective each was
@@ -186,6 +196,11 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
         self._check_zeropp()
+        if self.offload_optimizer not in OFFLOAD_PLACES:
+            raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise _bad("offload_optimizer", self.offload_optimizer, "stage 0 (DDP) keeps no shard of its own to "
+                                                                    "offload: use stage 1, 2 or 3")
         units = self.unit_modules
         if isinstance(units, (str, type)):
             units = (units,)

@@ -43,17 +43,27 @@ class ShardStorage(Protocol):
 
 @dataclass(frozen=True)
 class MasterPlacement:
+    """"device": the master and the optimizer states beside the parameters; in fp32 the
+    owned parameter pieces are their own master. Subclasses (optim/offload.py) put them
+    elsewhere and say so with `separate_master`."""
+
     kind: str = "device"
 
-    def __post_init__(self) -> None:
-        if self.kind != "device":
-            raise ValueError(f"master placement {self.kind!r} is not supported: use 'device'")
+    @property
+    def separate_master(self) -> bool:
+        """Whether fp32 parameters still get a master of their own (it lives elsewhere)."""
+        return False
+
+    @property
+    def stages_gradients(self) -> bool:
+        """Whether the reduced gradient is copied next to the master (`gradient_buffer`)."""
+        return False
 
     def allocate(self, numel: int, like: torch.device) -> torch.Tensor:
         """One long-lived fp32 buffer (MD) for a shard's master."""
         return hostmem.empty(numel, torch.float32, like)
 
-    def fp32_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    def fp32_grad(self, grad: torch.Tensor, master: torch.Tensor, staging=None) -> torch.Tensor:
         """The reduced gradient as the master's `.grad`: itself when it is fp32 (no copy),
         else an fp32 upcast."""
         return grad.view(master.shape) if grad.dtype == torch.float32 else grad.float().view(master.shape)
@@ -61,6 +71,9 @@ class MasterPlacement:
     def write_back(self, master: torch.Tensor, param: torch.Tensor) -> None:
         """Updated master values into the compute-dtype parameter piece."""
         param.copy_(master.view_as(param))
+
+    def synchronize(self) -> None:
+        """Wait for the copies `fp32_grad` and `write_back` started (asynchronous ones)."""
 
     def read(self, master: torch.Tensor) -> torch.Tensor:
         """A master range as a contiguous CPU tensor, for a checkpoint."""
@@ -78,21 +91,30 @@ class MasterShard:
     the owned parameter pieces are their own master (views, no copy)."""
 
     def __init__(self, storage: ShardStorage, full_precision: bool, placement: MasterPlacement):
-        self.storage, self.full_precision, self.placement = storage, full_precision, placement
-        if full_precision:
+        # `full_precision`: the parameters are the master (fp32, kept beside them).
+        self.full_precision = full_precision and not placement.separate_master
+        self.storage, self.placement = storage, placement
+        self.grad_staging: list[torch.Tensor] = []  # the gradient beside an offloaded master
+        if self.full_precision:
             self.master_tensors = storage.owned_params()
         else:
             fp32 = storage.owned_fp32()
             sizes = [t.numel() for t in fp32]
-            flat = placement.allocate(sum(sizes), fp32[0].device if fp32 else torch.device("cpu"))
+            device = fp32[0].device if fp32 else torch.device("cpu")
+            flat = placement.allocate(sum(sizes), device)
             self.master_tensors = list(torch.split(flat, sizes)) if fp32 else []
             for m, t in zip(self.master_tensors, fp32):
                 m.copy_(t)
+            if placement.stages_gradients and fp32:
+                self.grad_staging = list(torch.split(placement.allocate(sum(sizes), device), sizes))
 
     def attach_grads(self, inv_scale: float) -> None:
-        for m, g in zip(self.master_tensors, self.storage.owned_grads()):
-            m.grad = self.placement.fp32_grad(g, m)
-            if inv_scale != 1.0:
+        staging = self.grad_staging or [None] * len(self.master_tensors)
+        for m, g, buf in zip(self.master_tensors, self.storage.owned_grads(), staging):
+            m.grad = self.placement.fp32_grad(g, m, buf)
+        self.placement.synchronize()
+        if inv_scale != 1.0:
+            for m in self.master_tensors:
                 m.grad.mul_(inv_scale)
 
     def write_back(self) -> None:
@@ -100,6 +122,7 @@ class MasterShard:
         if not self.full_precision:
             for m, param in zip(self.master_tensors, self.storage.owned_params()):
                 self.placement.write_back(m, param)
+            self.placement.synchronize()
 
     def refresh_from_params(self) -> None:
         """Restart the master from parameters changed by hand or by a load: only where it no

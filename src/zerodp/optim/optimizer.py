@@ -28,7 +28,8 @@ from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
 from .clipping import global_grad_norm, local_nonfinite
-from .master import MasterPlacement, MasterShard, ShardStorage, runs_of_bytes
+from .master import MasterShard, ShardStorage, runs_of_bytes
+from .offload import placement_for
 from ..sharding.rows import RowSharding
 from .precision import LossScaler
 from .state_dict import OwnedSlice, load_sharded_state_dict, owned_slices, sharded_state_dict
@@ -60,7 +61,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage3 = stage3
         self.scaler = LossScaler.from_config(config)
         full_precision = config.compute_dtype == torch.float32
-        self.placement = MasterPlacement()  # [Note: master placement] in master.py
+        # [Note: master placement] in master.py; offloaded: [Note: host placement] in offload.py
+        self.placement = placement_for(config.offload_optimizer, comm.device)
         self.shards: list[list[MasterShard]] = []
         for group, group_storages in zip(inner.param_groups, storages):
             shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
@@ -447,6 +449,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         census.claim("master", (m for s in self._all_shards() for m in s.master_tensors))
         census.claim("grads", (t for held in held_by for t in held["grads"]))
         census.claim("grads", (m.grad for s in self._all_shards() for m in s.master_tensors))
+        census.claim("grads", (b for s in self._all_shards() for b in s.grad_staging))
         census.claim("optimizer_states", (v for p, state in self.inner.state.items()
                                           for v in state.values() if is_elementwise_state(v, p)))
         census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
@@ -458,7 +461,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             census.claim(holder, [t])
         held = census.by_owner()
         layouts = {id(st.layout): st.layout for st in storages}.values()
+        offloaded = Census()  # what the placement keeps in host memory ([Note: host placement])
+        if self.placement.kind == "host":
+            offloaded.claim("host", (m for s in self._all_shards() for m in s.master_tensors))
+            offloaded.claim("host", (b for s in self._all_shards() for b in s.grad_staging))
+            offloaded.claim("host", (v for p, state in self.inner.state.items() for v in state.values()
+                                     if is_elementwise_state(v, p)))
         return MemoryReport(
+            host_offloaded=offloaded.by_owner().get("host", 0),
             **{c: held.pop(c, 0) for c in CATEGORIES},
             numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
             world_size=self.comm.shard_size, stage=self.config.stage,  # the N states are divided by

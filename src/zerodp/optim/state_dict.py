@@ -89,8 +89,10 @@ def _agreed_states(opt) -> list[tuple[list[str], dict]]:
         pooled = opt.comm.all_gather_object(local, "checkpoint", label="optimizer state names")
         local = [(sorted({k for rank in pooled for k in rank[gi][0]}),
                   next((rank[gi][1] for rank in pooled if rank[gi][1]), {})) for gi in range(len(local))]
-    return [(keys + ([] if group[0].full_precision else [MASTER]), scalars)
-            for (keys, scalars), group in zip(local, opt.shards)]
+    # In fp32 the parameters are the master's values (an offloaded master is a copy of
+    # them), so the state dict has no master: the same whatever the placement.
+    full_precision = opt.config.compute_dtype == torch.float32
+    return [(keys + ([] if full_precision else [MASTER]), scalars) for keys, scalars in local]
 
 
 def _piece_tensors(opt, shard, key: str) -> list[torch.Tensor]:
