@@ -125,11 +125,11 @@ def make_zero(stage, precision, preset, device, born=False, **cfg_kwargs):
     return zerodp.initialize(model, torch.optim.AdamW, cfg, lr=LR)
 
 
-def check_case(stage, born, precision, args, device):
+def check_case(stage, born, precision, args, device, **cfg_kwargs):
     rank, preset = dist.get_rank(), "tiny"
     scale = FP16_SCALE if precision == "fp16" else 1.0
     extra = {"loss_scale": FP16_SCALE} if precision == "fp16" else {}
-    model, opt = make_zero(stage, precision, preset, device, born, **extra)
+    model, opt = make_zero(stage, precision, preset, device, born, **extra, **cfg_kwargs)
     ref = Reference(build(preset, device), zerodp.Config(mixed_precision=precision).compute_dtype, device, scale)
     cfg = model.config
     loss_diff = 0.0
@@ -172,6 +172,27 @@ def check_overflow_skip(stage, args, device):
     ok = agree_max(0.0 if unchanged and halved else 1.0, device) == 0.0
     log(f"{label(stage, False)} fp16  inf loss on rank {world - 1}: step skipped on every rank "
         f"(scale {FP16_SCALE:g} -> {opt.scaler.scale:g})  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def check_offload(stage, precision, args, device):
+    """Config.offload_optimizer='host': pinned host masters, non-blocking copies both ways."""
+    return check_case(stage, False, precision, args, device, offload_optimizer="host")
+
+
+def check_quantize_kernels(args, device):
+    """ZeRO++'s blockwise int8/int4 round trip on the device, within max|block| / (2 qmax)."""
+    from zerodp.distributed.quantized import dequantize, quantize
+
+    x = torch.randn(3, 5000, device=device, generator=torch.Generator(device).manual_seed(0))
+    ok = True
+    for bits in (8, 4):
+        y = dequantize(quantize(x, bits, 256), 5000, bits, 256)
+        pad = torch.nn.functional.pad(x.abs(), (0, (-5000) % 256)).view(3, -1, 256).amax(2, keepdim=True)
+        bound = pad.expand(-1, -1, 256).reshape(3, -1)[:, :5000] / (2 * (2 ** (bits - 1) - 1))
+        ratio = float(((y - x).abs() / bound).max())
+        ok = ok and ratio <= 1 + 1e-4 and y.device == x.device
+        log(f"quantize int{bits}  error / bound {ratio:.4f}  {'PASS' if ratio <= 1 + 1e-4 else 'FAIL'}")
     return ok
 
 
@@ -285,6 +306,8 @@ def main():
     cases = [(f"{label(s, b)} {p}", check_case, s, b, p) for s, b in variants for p in ("bf16", "fp16")]
     cases += [(f"{label(s, False)} fp16 overflow", check_overflow_skip, s) for s in (0, 1, 2, 3)]
     cases += [(f"{label(s, False)} {p} DCP", check_dcp_round_trip, s, p) for s in (1, 3) for p in ("bf16", "fp16")]
+    cases += [(f"{label(s, False)} {p} host offload", check_offload, s, p) for s in (2, 3) for p in ("bf16",)]
+    cases += [("quantize kernels", check_quantize_kernels)]
     cases += [] if args.no_bench else [("bench", bench)]
     results = []
     for name, fn, *fn_args in cases:

@@ -1,5 +1,5 @@
 """Optimizer offload to host memory (Config.offload_optimizer="host"), run inside the core
-world at N = 1, 2, 4 (test_offload.py reads its results)."""
+world at N = 1, 2, 4 (test_core.py reads its results)."""
 from __future__ import annotations
 
 import os
