@@ -20,31 +20,43 @@ def _params(model) -> list[torch.Tensor]:
         return [p.detach().clone() for p in model.parameters()]
 
 
+def shared_tmp(rank: int, world_size: int) -> str:
+    """A fresh directory, the same on every rank."""
+    root = [tempfile.mkdtemp(prefix="zerodp-offload-") if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(root, src=0)
+    return root[0]
+
+
 def offload_grid(rank: int, world_size: int) -> dict:
     out = {}
+    root = shared_tmp(rank, world_size)
     for stage in (1, 2, 3):
         for precision in ("fp32", "bf16"):
             for name, fn in OPTIMIZERS.items():
                 runs = {}
-                for place in ("none", "host"):
+                for place in ("none", "host", "disk"):
                     cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                                        unit_min_params=10, offload_optimizer=place)
+                                        unit_min_params=10, offload_optimizer=place,
+                                        offload_dir=os.path.join(root, f"{stage}{precision}{name}"))
+                    if place == "disk":
+                        os.makedirs(cfg.offload_dir, exist_ok=True)
                     model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
-                    runs[place] = (model, opt, losses)
+                    runs[place] = (model, opt, losses, opt.memory_report())
                 ref, ref_losses, _ = train_reference(Net, fn, runs["host"][1].config.compute_dtype, rank)
-                model, opt, losses = runs["host"]
-                rep = opt.memory_report()
-                with zerodp.gathered_parameters(model):
-                    diff = max_rel_diff(model, ref)
-                out[(stage, precision, name)] = {
-                    "same_as_device": all(torch.equal(a, b) for a, b in zip(_params(model),
-                                                                           _params(runs["none"][0]))),
-                    "losses_equal": losses == runs["none"][2], "diff": diff,
-                    "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                    "host": rep.host_offloaded, "device_host": runs["none"][1].memory_report().host_offloaded,
-                    "master": rep.master, "states": rep.optimizer_states,
-                    "owned": sum(s.numel for s in opt.owned_slices()), "shard_numel": _shard_numel(opt),
-                    "state_bytes": STATE_BYTES[name]}
+                device_params = _params(runs["none"][0])
+                for place in ("host", "disk"):
+                    model, opt, losses, rep = runs[place]
+                    with zerodp.gathered_parameters(model):
+                        diff = max_rel_diff(model, ref)
+                    out[(stage, precision, name, place)] = {
+                        "same_as_device": all(torch.equal(a, b) for a, b in zip(_params(model), device_params)),
+                        "losses_equal": losses == runs["none"][2], "diff": diff,
+                        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                        "host": rep.host_offloaded, "disk": rep.disk_offloaded,
+                        "device_offloaded": runs["none"][3].host_offloaded + runs["none"][3].disk_offloaded,
+                        "master": rep.master, "states": rep.optimizer_states, "shard_numel": _shard_numel(opt),
+                        "state_bytes": STATE_BYTES[name]}
     # Accumulation (2 micro-batches) and clipping, stage 2 and 3, fp32 SGD, against DDP.
     for stage in (2, 3):
         ref, _, ref_norms = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank, clip=0.05)
@@ -54,6 +66,50 @@ def offload_grid(rank: int, world_size: int) -> dict:
             out[("accumulation", stage)] = {"diff": max_rel_diff(model, ref),
                                             "norm_gap": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
     out["checkpoint"] = checkpoint_both_ways(rank, world_size)
+    if world_size == 2:
+        out["bad_dir"] = bad_offload_dirs(rank, root)
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_offload_dirs(rank: int, root: str) -> dict:
+    """A missing, a read-only, a full and a shared offload_dir: a clear error on every rank at
+    initialize, before any step. Only rank 1's disk is full."""
+    def build(directory):
+        cfg = zerodp.Config(stage=3, unit_min_params=10, offload_optimizer="disk", offload_dir=directory)
+        return zerodp.initialize(Net(), OPTIMIZERS["adamw"], cfg)
+    out = {}
+    good = os.path.join(root, "good")
+    os.makedirs(good, exist_ok=True)
+    out["missing"] = _error(lambda: build(os.path.join(root, "nowhere")))
+    read_only = os.path.join(root, "read-only")
+    os.makedirs(read_only, exist_ok=True)
+    os.chmod(read_only, 0o500)
+    out["read_only"] = _error(lambda: build(read_only)) if os.geteuid() != 0 else "root ignores permissions"
+    os.chmod(read_only, 0o700)
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    os.posix_fallocate = full if rank == 1 else real
+    try:
+        out["full"] = _error(lambda: build(os.path.join(root, "good")))
+    finally:
+        os.posix_fallocate = real
+    kept = build(os.path.join(root, "good"))  # held: a second run on the same directory
+    out["shared"] = _error(lambda: build(os.path.join(root, "good")))
+    out["kept_alive"] = kept is not None
     return out
 
 
@@ -78,15 +134,15 @@ def checkpoint_both_ways(rank: int, world_size: int) -> dict:
     """Saved with offload, resumed without it, and the reverse: the same losses, bit for bit,
     as going on uninterrupted."""
     out = {}
-    root = [tempfile.mkdtemp(prefix="zerodp-offload-") if rank == 0 else None]
-    if world_size > 1:
-        dist.broadcast_object_list(root, src=0)
-    root = root[0]
-    for saved, loaded in (("host", "none"), ("none", "host")):
+    root = shared_tmp(rank, world_size)
+    for saved, loaded in (("host", "none"), ("none", "host"), ("disk", "none"), ("none", "disk")):
         for stage in (1, 3):
             def build(place):
                 torch.manual_seed(0)
-                cfg = zerodp.Config(stage=stage, mixed_precision="bf16", unit_min_params=10, offload_optimizer=place)
+                directory = os.path.join(root, f"{saved}-{loaded}-{stage}-{place}")
+                os.makedirs(directory, exist_ok=True)
+                cfg = zerodp.Config(stage=stage, mixed_precision="bf16", unit_min_params=10, offload_optimizer=place,
+                                    offload_dir=directory)
                 return zerodp.initialize(Net(), OPTIMIZERS["adamw"], cfg)
             model, opt = build(saved)
             _steps(model, opt, 2, 0, rank)

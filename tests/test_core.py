@@ -150,30 +150,38 @@ def test_optimizer_steps_a_bucket_at_a_time_with_contiguous_states(world):
 
 # -- Config.offload_optimizer="host" (ZeRO-Offload, tests/offload_cases.py): the master, the
 # optimizer's states and its step on the host; results from the same worlds.
+def _placements(results):
+    for r in results:
+        for key, case in r["offload"].items():
+            if isinstance(key, tuple) and len(key) == 4:
+                yield key, case
+
+
 def test_offloaded_step_is_the_device_step_bit_for_bit_and_ddps(world):
     n, results = world
-    for r in results:
-        for key, case in r["offload"].items():
-            if not isinstance(key, tuple) or len(key) != 3:
-                continue
-            stage, precision, opt = key
-            # The same fp32 maths on the same values, only in other memory: the same bits.
-            assert case["same_as_device"] and case["losses_equal"], (n, key)
-            tol = FP32_TOL if precision == "fp32" else BF16_TOL
-            assert case["diff"] <= tol and case["loss_diff"] <= tol, (n, key, case["diff"], case["loss_diff"])
+    for key, case in _placements(results):
+        stage, precision, opt, place = key
+        # The same fp32 maths on the same values, only in other memory: the same bits.
+        assert case["same_as_device"] and case["losses_equal"], (n, key)
+        tol = FP32_TOL if precision == "fp32" else BF16_TOL
+        assert case["diff"] <= tol and case["loss_diff"] <= tol, (n, key, case["diff"], case["loss_diff"])
 
 
-def test_the_ledger_counts_what_the_host_holds(world):
+def test_the_ledger_counts_what_each_placement_holds(world):
     n, results = world
-    for r in results:
-        for key, case in r["offload"].items():
-            if not isinstance(key, tuple) or len(key) != 3:
-                continue
-            # Host: the fp32 master, the fp32 gradient copied down beside it and the states,
-            # 4 + 4 + K bytes per owned element, even in fp32 (the parameters stay on the device).
-            per = 4 + 4 + case["state_bytes"]
-            assert case["host"] == per * case["shard_numel"], (n, key, case["host"], case["shard_numel"])
-            assert case["master"] == 4 * case["shard_numel"] and case["device_host"] == 0, (n, key)
+    for key, case in _placements(results):
+        stage, precision, opt, place = key
+        owned, states = case["shard_numel"], case["state_bytes"] * case["shard_numel"]
+        assert case["device_offloaded"] == 0, (n, key)
+        if place == "host":
+            # The fp32 master, the fp32 gradient copied down beside it and the states, 4 + 4 + K
+            # bytes per owned element, even in fp32 (the parameters stay on the device).
+            assert case["host"] == 8 * owned + states and case["disk"] == 0, (n, key, case)
+        else:
+            # In files: the states, and under bf16 the fp32 master (in fp32 the parameters are it).
+            master = 4 * owned if precision == "bf16" else 0
+            assert case["disk"] == master + states and case["host"] == 0, (n, key, case)
+        assert case["master"] == (0 if place == "disk" and precision == "fp32" else 4 * owned), (n, key)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -189,3 +197,17 @@ def test_checkpoints_move_between_offloaded_and_not_bit_for_bit(world):
     for r in results:
         for (saved, stage), case in r["offload"]["checkpoint"].items():
             assert case["resumed"], (n, saved, stage)
+
+
+def test_a_bad_offload_dir_fails_on_every_rank_at_initialize(world):
+    n, results = world
+    if n != 2:
+        return
+    for rank, r in enumerate(results):
+        bad = r["offload"]["bad_dir"]
+        # Only rank 1's disk is full: both ranks raise, rank 0 naming rank 1's problem.
+        assert "does not exist" in bad["missing"], (rank, bad["missing"])
+        assert "is full" in bad["full"] and "bytes are needed" in bad["full"], (rank, bad["full"])
+        if bad["read_only"] != "root ignores permissions":
+            assert "is not writable" in bad["read_only"], (rank, bad["read_only"])
+        assert "in use by another run" in bad["shared"] and bad["kept_alive"], (rank, bad["shared"])

@@ -24,7 +24,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 # Where Config.offload_optimizer may put the master and optimizer states.
-OFFLOAD_PLACES = ("none", "host")
+OFFLOAD_PLACES = ("none", "host", "disk")
 
 # Bits of each quantized format of `Config.quantize_grads`.
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
@@ -152,7 +152,12 @@ class Config:
     the optimizer steps. "none": beside the parameters. "host": in host memory (pinned on
     CUDA), the step on the CPU; gradients are copied down and the updated parameters up
     every step (docs/offload.md). On a CPU-only run host is the same memory, and the copies
-    still happen, so the path is the one a GPU run takes."""
+    still happen, so the path is the one a GPU run takes. "disk" (ZeRO-Infinity; CPU runs):
+    in files under `offload_dir`, streamed a bucket at a time."""
+
+    offload_dir: Union[str, None] = None
+    """offload_optimizer="disk": an existing, writable directory on a local disk, one per
+    run (each rank uses `rank{r}/` in it); its files are scratch, deleted at the end."""
 
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
@@ -198,6 +203,9 @@ class Config:
         self._check_zeropp()
         if self.offload_optimizer not in OFFLOAD_PLACES:
             raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
+        if self.offload_optimizer == "disk" and not isinstance(self.offload_dir, (str, os.PathLike)):
+            raise _bad("offload_dir", self.offload_dir, 'offload_optimizer="disk" needs the directory for its '
+                                                        'files: give a path')
         if self.offload_optimizer != "none" and self.stage == 0:
             raise _bad("offload_optimizer", self.offload_optimizer, "stage 0 (DDP) keeps no shard of its own to "
                                                                     "offload: use stage 1, 2 or 3")

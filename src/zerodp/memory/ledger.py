@@ -43,6 +43,7 @@ class MemoryReport:
     gathered_params_peak: int = 0  # stage 3: largest bytes of full unit parameters held at once
     other: int = 0  # storages held outside every category (e.g. optimizer scalar states)
     host_offloaded: int = 0  # of the above, held in host memory by Config.offload_optimizer="host"
+    disk_offloaded: int = 0  # of the above, held in files under Config.offload_dir ("disk")
     other_by_owner: tuple = ()  # (holder, bytes) of each part of `other`
 
     @property

@@ -9,7 +9,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OptimizerSpec", "build_optimizer", "check_elementwise", "grouped_params"]
+__all__ = ["OptimizerSpec", "build_optimizer", "check_elementwise", "elementwise_state_dtypes", "grouped_params"]
 
 OptimizerSpec = Union[type, Callable[[list], torch.optim.Optimizer]]
 
@@ -97,3 +97,21 @@ def check_elementwise(inner: torch.optim.Optimizer) -> None:
         raise ValueError(f"{cls.__name__} is not elementwise: {why}. zerodp steps each rank's flat 1-D shard, "
                          f"so it needs an optimizer whose update treats every element on its own, such as "
                          f"AdamW, Adam, SGD, Adagrad or RMSprop")
+
+
+def elementwise_state_dtypes(inner: torch.optim.Optimizer) -> dict:
+    """The per-element states (name -> dtype) the optimizer creates for an fp32 parameter,
+    found by stepping a fresh instance with the first group's hyperparameters once on a
+    throwaway tensor; {} if it cannot be built that way (they are then allocated at the
+    first step)."""
+    cls = type(inner)
+    hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    probe = torch.zeros(4, requires_grad=True)
+    try:
+        opt = cls([{"params": [probe], **hyper}])
+        probe.grad = torch.zeros(4)
+        getattr(cls.step, "__wrapped__", cls.step)(opt)
+    except Exception:  # noqa: BLE001 - a constructor that needs more than a param group
+        return {}
+    return {k: v.dtype for k, v in opt.state[probe].items()
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == probe.shape}

@@ -75,6 +75,16 @@ class MasterPlacement:
     def synchronize(self) -> None:
         """Wait for the copies `fp32_grad` and `write_back` started (asynchronous ones)."""
 
+    def allocate_state(self, numel: int, dtype: torch.dtype, like: torch.device) -> torch.Tensor:
+        """One long-lived buffer for a shard's optimizer state of `dtype`, beside its master."""
+        return hostmem.empty(numel, dtype, like)
+
+    def prefetch(self, tensors) -> None:
+        """These master and state tensors are stepped next (disk: start reading them)."""
+
+    def release(self, tensors) -> None:
+        """These were stepped (disk: write them back, drop them from memory)."""
+
     def read(self, master: torch.Tensor) -> torch.Tensor:
         """A master range as a contiguous CPU tensor, for a checkpoint."""
         return master.detach().cpu().contiguous()

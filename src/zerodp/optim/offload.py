@@ -1,6 +1,7 @@
 """ZeRO-Offload (Ren et al., arXiv 2101.06840): the fp32 master, the optimizer's states and
 the optimizer step on the host, the accelerator keeping only the compute parameters and
-the gradient shard.
+the gradient shard; and ZeRO-Infinity's disk tier (Rajbhandari et al., arXiv 2104.07857):
+the master and the states in files, streamed a bucket at a time.
 
 [Note: host placement]
 `HostPlacement` is a `MasterPlacement` ([Note: master placement] in master.py) that keeps
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import hostmem
+from ..memory.diskmem import OffloadDir
 from .master import MasterPlacement
 
-__all__ = ["HostPlacement", "placement_for"]
+__all__ = ["DiskPlacement", "HostPlacement", "placement_for"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,58 @@ class HostPlacement(MasterPlacement):
         master.copy_(value)
 
 
-def placement_for(offload: str, device: torch.device) -> MasterPlacement:
+@dataclass(frozen=True)
+class DiskPlacement(HostPlacement):
+    """[Note: disk placement]
+    The 16-bit runs' fp32 master and every per-element optimizer state live in files under
+    `Config.offload_dir` ([Note: disk buffers] in memory/diskmem.py); the step runs on the
+    host a bucket at a time, reading the next bucket's pages while it steps one and
+    writing back the one before. In fp32 the parameters stay their own master (a copy on
+    disk would add bytes, not remove any), so only the states are on disk. The reduced
+    gradient is not copied: the master's `.grad` is a view of the gradient shard (an fp32
+    upcast under bf16/fp16), as on the device. CPU only for now: parameters on an
+    accelerator would need the host copies `HostPlacement` makes."""
+
+    kind: str = "disk"
+    files: OffloadDir = None
+
+    @property
+    def separate_master(self) -> bool:
+        return False  # fp32: the parameters are the master; 16-bit runs allocate one anyway
+
+    @property
+    def stages_gradients(self) -> bool:
+        return False
+
+    def fp32_grad(self, grad: torch.Tensor, master: torch.Tensor, staging=None) -> torch.Tensor:
+        return MasterPlacement.fp32_grad(self, grad, master)
+
+    def write_back(self, master: torch.Tensor, param: torch.Tensor) -> None:
+        param.copy_(master.view_as(param))
+
+    def allocate(self, numel: int, like: torch.device) -> torch.Tensor:
+        return self.files.empty(numel, torch.float32)
+
+    def allocate_state(self, numel: int, dtype: torch.dtype, like: torch.device) -> torch.Tensor:
+        return self.files.empty(numel, dtype)
+
+    def prefetch(self, tensors) -> None:
+        self.files.prefetch(tensors)
+
+    def release(self, tensors) -> None:
+        self.files.release(tensors)
+
+    def read(self, master: torch.Tensor) -> torch.Tensor:
+        return master.detach()  # safetensors streams it from the mapping
+
+
+def placement_for(offload: str, device: torch.device, offload_dir=None, rank: int = 0) -> MasterPlacement:
     """The placement `Config.offload_optimizer` names, for parameters on `device`."""
     if offload == "host":
         return HostPlacement(pinned=device.type == "cuda")
+    if offload == "disk":
+        if device.type != "cpu":
+            raise NotImplementedError(f"Config.offload_optimizer='disk' runs on CPU only so far; the parameters are "
+                                      f"on {device}: use offload_optimizer='host' there")
+        return DiskPlacement(files=OffloadDir(offload_dir, rank))
     return MasterPlacement()

@@ -29,7 +29,9 @@ from ..memory import hostmem
 from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
 from .clipping import global_grad_norm, local_nonfinite
 from .master import MasterShard, ShardStorage, runs_of_bytes
+from .inner import elementwise_state_dtypes
 from .offload import placement_for
+from ..distributed.agreement import raise_if_any_failed
 from ..sharding.rows import RowSharding
 from .precision import LossScaler
 from .state_dict import OwnedSlice, load_sharded_state_dict, owned_slices, sharded_state_dict
@@ -61,13 +63,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage3 = stage3
         self.scaler = LossScaler.from_config(config)
         full_precision = config.compute_dtype == torch.float32
-        # [Note: master placement] in master.py; offloaded: [Note: host placement] in offload.py
-        self.placement = placement_for(config.offload_optimizer, comm.device)
-        self.shards: list[list[MasterShard]] = []
-        for group, group_storages in zip(inner.param_groups, storages):
-            shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
-            self.shards.append(shards)
-            group["params"] = [t for s in shards for t in s.master_tensors]
+        # [Note: master placement] in master.py; offloaded: [Note: host placement] and
+        # [Note: disk placement] in offload.py. A directory or disk that cannot take the
+        # states fails on every rank before training starts.
+        disk = config.offload_optimizer == "disk"
+        problem = None
+        try:
+            self.placement = placement_for(config.offload_optimizer, comm.device, config.offload_dir, comm.rank)
+            self.shards: list[list[MasterShard]] = []
+            for group, group_storages in zip(inner.param_groups, storages):
+                shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
+                self.shards.append(shards)
+                group["params"] = [t for s in shards for t in s.master_tensors]
+        except Exception as e:  # noqa: BLE001 - raised on this rank by the agreement below
+            if not disk:
+                raise
+            problem = e
+        if disk:
+            self._raise_offload_failures(problem, "placing the optimizer in Config.offload_dir")
         for group_storages in storages:  # only after every group's master is built: units span groups
             for s in group_storages:
                 s.drop_initial_fp32()
@@ -81,7 +94,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grads_prepared = False
         self._found_inf = False
         self._last_skipped = False
-        self._states_rehomed = False
+        self._rehomed: set = set()  # (id(master tensor), state key) moved into a long-lived buffer
+        self._homes: dict = {}  # (shard index, state key, dtype) -> that buffer
+        self._home_of = {}  # id(master tensor) -> (shard index, offset in the shard's buffers)
+        for si, shard in enumerate(self._all_shards()):
+            at = 0
+            for m in shard.master_tensors:
+                self._home_of[id(m)] = (si, at)
+                at += m.numel()
         self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
         self._scaled_backwards = 0  # backward passes run through self.backward since the last step
         self._norm_this_step = None  # the global norm, when clip_grad_norm_ ran in this step
@@ -93,6 +113,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # included) run once per step in `step`, not once per bucket.
         step = type(inner).step
         self._inner_step_fn = step.__wrapped__ if getattr(step, "hooked", False) else step
+        if disk:  # the states' files now, so that a full disk is found before the first step
+            problem = None
+            try:
+                for key, dtype in elementwise_state_dtypes(inner).items():
+                    for si, shard in enumerate(self._all_shards()):
+                        if shard.master_tensors:
+                            self._state_home(si, key, dtype, shard.master_tensors[0].device)
+            except Exception as e:  # noqa: BLE001
+                problem = e
+            self._raise_offload_failures(problem, "allocating the optimizer states in Config.offload_dir")
+
+    def _raise_offload_failures(self, problem, what: str) -> None:
+        """Raise on every rank if any failed to set up its offload directory; this rank's
+        files and lock go first, so that the directory can be used again at once."""
+        try:
+            raise_if_any_failed(self.comm, problem, what, "init")
+        except Exception:
+            files = getattr(getattr(self, "placement", None), "files", None)
+            if files is not None:
+                files.close()
+            raise
 
     def _all_shards(self):
         return [s for group in self.shards for s in group]
@@ -301,47 +342,59 @@ class ZeroOptimizer(torch.optim.Optimizer):
         temporaries (Ψ/N elements each). Stepping `bucket_bytes` of master at a time keeps
         them bucket-sized. Each piece is stepped exactly once per step and the update is
         elementwise, so the result is the same as one call."""
-        groups = self.inner.param_groups
+        groups, place = self.inner.param_groups, self.placement
         everything = [g["params"] for g in groups]
+        chunks = [(gi, chunk) for gi, params in enumerate(everything)
+                  for chunk in runs_of_bytes(params, self.config.bucket_bytes)]
         try:
-            for gi, params in enumerate(everything):
-                for chunk in runs_of_bytes(params, self.config.bucket_bytes):
-                    for gj, g in enumerate(groups):
-                        g["params"] = chunk if gj == gi else []
-                    self._inner_step_fn(self.inner)
+            for k, (gi, chunk) in enumerate(chunks):
+                if k + 1 < len(chunks):  # disk: read the next bucket while this one steps
+                    place.prefetch(self._step_tensors(chunks[k + 1][1]))
+                for gj, g in enumerate(groups):
+                    g["params"] = chunk if gj == gi else []
+                self._inner_step_fn(self.inner)
+                self._rehome(chunk)
+                if k > 0:  # disk: write back the bucket before, drop it from memory
+                    place.release(self._step_tensors(chunks[k - 1][1]))
+            if chunks:
+                place.release(self._step_tensors(chunks[-1][1]))
         finally:
             for g, params in zip(groups, everything):
                 g["params"] = params
-        if not self._states_rehomed:
-            self._rehome_states()
 
-    def _rehome_states(self) -> None:
-        """Once the optimizer has created its per-element states (lazily, in its first step,
-        one small tensor per piece, in the C heap), move them into one long-lived buffer per
-        shard and state: [Note: long-lived host buffers] in memory/hostmem.py."""
-        self._states_rehomed = True
-        since_release = 0
-        for shard in self._all_shards():
-            by_key: dict = {}
-            for t in shard.master_tensors:
-                for k, v in self.inner.state.get(t, {}).items():
-                    if is_elementwise_state(v, t):
-                        by_key.setdefault((k, v.dtype, v.device), []).append(t)
-            for (k, dtype, device), owners in by_key.items():
-                flat = hostmem.empty(sum(t.numel() for t in owners), dtype, device)
-                at = 0
-                for t in owners:
-                    old = self.inner.state[t][k]
-                    new = flat[at: at + old.numel()].view_as(old)
-                    new.copy_(old)
-                    self.inner.state[t][k] = new  # the heap copy is freed here
-                    at += old.numel()
-                    since_release += old.numel() * old.element_size()
-                    # Hand the freed heap pages back as we go, so the move never holds
-                    # both copies of the states at once.
-                    if self._on_cpu and since_release >= self.config.bucket_bytes:
-                        hostmem.release_free_heap()
-                        since_release = 0
+    def _step_tensors(self, chunk: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A bucket's master tensors and their per-element states."""
+        states = [v for t in chunk for v in self.inner.state.get(t, {}).values() if is_elementwise_state(v, t)]
+        return [*chunk, *states]
+
+    def _rehome(self, chunk: list[torch.Tensor]) -> None:
+        """The optimizer creates its per-element states lazily, in its first step, one small
+        tensor per piece, in the C heap; each moves at once into one long-lived buffer per
+        shard and state, allocated by the placement: [Note: long-lived host buffers] in
+        memory/hostmem.py, or a file ([Note: disk placement] in optim/offload.py). Bucket
+        by bucket, so that no more than a bucket of states is ever held twice."""
+        moved = 0
+        for t in chunk:
+            shard_index, offset = self._home_of[id(t)]
+            for k, v in list(self.inner.state.get(t, {}).items()):
+                if not is_elementwise_state(v, t) or (id(t), k) in self._rehomed:
+                    continue
+                home = self._state_home(shard_index, k, v.dtype, v.device)
+                new = home[offset: offset + v.numel()].view_as(v)
+                new.copy_(v)
+                self.inner.state[t][k] = new  # the heap copy is freed here
+                self._rehomed.add((id(t), k))
+                moved += v.numel() * v.element_size()
+        if moved and self._on_cpu:
+            hostmem.release_free_heap()
+
+    def _state_home(self, shard_index: int, key: str, dtype: torch.dtype, device) -> torch.Tensor:
+        home = self._homes.get((shard_index, key, dtype))
+        if home is None:
+            shard = self._all_shards()[shard_index]
+            home = self.placement.allocate_state(sum(m.numel() for m in shard.master_tensors), dtype, device)
+            self._homes[(shard_index, key, dtype)] = home
+        return home
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient and start the backward schedule over: after a backward that
@@ -409,9 +462,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     t.grad = None
 
     def clear_state(self) -> None:
-        """Drop every optimizer state, as before the first step."""
+        """Drop every optimizer state, as before the first step (the long-lived buffers
+        stay, for the states of the next first step)."""
         self.inner.state.clear()
-        self._states_rehomed = False
+        self._rehomed.clear()
 
     @torch.no_grad()
     def load_scalar_states(self, scalars: list[dict]) -> None:
@@ -452,6 +506,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         census.claim("grads", (b for s in self._all_shards() for b in s.grad_staging))
         census.claim("optimizer_states", (v for p, state in self.inner.state.items()
                                           for v in state.values() if is_elementwise_state(v, p)))
+        census.claim("optimizer_states", self._homes.values())  # allocated before the first step (disk)
         census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
         secondary = getattr(self.grad_sync, "secondary_pool", None)
         census.claim("secondary_params", secondary.allocated if secondary is not None else ())
@@ -461,14 +516,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             census.claim(holder, [t])
         held = census.by_owner()
         layouts = {id(st.layout): st.layout for st in storages}.values()
-        offloaded = Census()  # what the placement keeps in host memory ([Note: host placement])
-        if self.placement.kind == "host":
-            offloaded.claim("host", (m for s in self._all_shards() for m in s.master_tensors))
-            offloaded.claim("host", (b for s in self._all_shards() for b in s.grad_staging))
-            offloaded.claim("host", (v for p, state in self.inner.state.items() for v in state.values()
-                                     if is_elementwise_state(v, p)))
+        # What the placement keeps off the device: in host memory ([Note: host placement]) or
+        # in files ([Note: disk placement]), counted from the same storages.
+        offloaded = Census()
+        if self.placement.kind in ("host", "disk"):
+            files = getattr(self.placement, "files", None)
+            kept = [*(m for s in self._all_shards() for m in s.master_tensors),
+                    *(b for s in self._all_shards() for b in s.grad_staging),
+                    *(v for p, state in self.inner.state.items() for v in state.values()
+                      if is_elementwise_state(v, p)), *self._homes.values()]
+            offloaded.claim(self.placement.kind, (t for t in kept if files is None or files.owns(t)))
+        by_place = offloaded.by_owner()
         return MemoryReport(
-            host_offloaded=offloaded.by_owner().get("host", 0),
+            host_offloaded=by_place.get("host", 0), disk_offloaded=by_place.get("disk", 0),
             **{c: held.pop(c, 0) for c in CATEGORIES},
             numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
             world_size=self.comm.shard_size, stage=self.config.stage,  # the N states are divided by

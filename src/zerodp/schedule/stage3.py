@@ -38,8 +38,9 @@ from .base import MAX_IN_FLIGHT, BackwardSchedule, inside_backward, output_tenso
 
 log = logging.getLogger(__name__)
 
-# Model -> its stage-3 engine, for gathered_parameters(); weak, so models die normally.
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Stage3Engine]" = weakref.WeakKeyDictionary()
+# Model -> its stage-3 engine, for gathered_parameters(); weak both ways (the engine holds
+# the model), so that a model and its optimizer die when the user drops them.
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class _UnitView:
@@ -81,7 +82,7 @@ class Stage3Engine(BackwardSchedule):
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
         self._guard_sharded_use(units[-1].module)
         self._reset_backward_state()
-        _ENGINES[units[-1].module] = self
+        _ENGINES[units[-1].module] = weakref.ref(self)
 
     def _guard_sharded_use(self, model: nn.Module) -> None:
         """A module whose parameters belong to a unit that is not gathered when it runs
@@ -351,7 +352,9 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
     params = list(target.parameters()) if isinstance(target, nn.Module) else list(target)
     wanted = {id(p) for p in params}
     chosen: list[tuple[Stage3Engine, FlatUnit]] = []
-    for engine in list(_ENGINES.values()):
+    for engine in [ref() for ref in list(_ENGINES.values())]:
+        if engine is None:
+            continue
         for unit in engine.units:
             if any(id(p) in wanted for p in unit.params):
                 chosen.append((engine, unit))

@@ -1,0 +1,164 @@
+"""Buffers that live in files under an offload directory (ZeRO-Infinity's disk tier).
+
+[Note: disk buffers]
+Each buffer is a file of its own, allocated in full when it is created (posix_fallocate:
+a disk too full fails then, with the bytes it needed, not in the middle of a step), and
+mapped into memory (MAP_SHARED), so the optimizer and the checkpoint code use it as any
+tensor. What decides how much of it is in RAM is `prefetch` and `release`, called by the
+optimizer around each bucket it steps: `prefetch` asks the kernel to start reading the
+next bucket's pages (MADV_WILLNEED, asynchronous), `release` writes back and drops the
+pages of a bucket already stepped (MADV_PAGEOUT; MADV_DONTNEED where the kernel has none),
+while the current bucket steps. So reading bucket k+1 and writing bucket k-1 overlap the
+step of bucket k, and the process holds about three buckets of these buffers resident.
+
+The directory holds scratch, never trusted on its own: a run recreates its files at
+start, and resuming goes through checkpoints. Each rank owns `rank{r}/` and a lock file
+naming its process; a second run pointed at the same directory fails at start while the
+first lives (a lock whose process is gone is taken over). Files are deleted when the run
+ends (the optimizer is freed or the process exits).
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import mmap
+import os
+import shutil
+import socket
+import weakref
+
+import torch
+
+__all__ = ["OffloadDir"]
+
+_MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4
+_PAGE = mmap.PAGESIZE
+
+
+class OffloadDir:
+    """One rank's files under `root` (see [Note: disk buffers])."""
+
+    def __init__(self, root: str, rank: int):
+        root = os.path.abspath(os.fspath(root))
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"Config.offload_dir={root!r} does not exist (or is not a directory): create it "
+                                    f"on a local disk with room for the offloaded states")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(f"Config.offload_dir={root!r} is not writable by this process: choose a "
+                                  f"directory it may write")
+        self.root, self.rank = root, rank
+        self.dir = os.path.join(root, f"rank{rank}")
+        self.lock = os.path.join(root, f"rank{rank}.lock")
+        self._take_lock()
+        try:
+            shutil.rmtree(self.dir, ignore_errors=True)  # scratch of an earlier run: never trusted
+            os.makedirs(self.dir)
+        except OSError:
+            os.remove(self.lock)
+            raise
+        self.regions: list[tuple[int, int, mmap.mmap]] = []  # (address, bytes, mapping)
+        self.nbytes = 0
+        self._count = 0
+        self._closer = weakref.finalize(self, _close, self.dir, self.lock, self.regions)
+        atexit.register(self._closer)
+
+    def close(self) -> None:
+        """Delete the files and the lock now (the run failed to start, or is done)."""
+        self._closer()
+
+    def _take_lock(self) -> None:
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    with open(self.lock) as f:
+                        owner = json.load(f)
+                except (OSError, ValueError):
+                    owner = {}
+                if owner.get("host") == me["host"] and not _alive(int(owner.get("pid", -1))):
+                    os.remove(self.lock)  # its process is gone: a killed run's
+                    continue
+                raise RuntimeError(f"Config.offload_dir={self.root!r} is in use by another run (rank {self.rank}: "
+                                   f"process {owner.get('pid')} on {owner.get('host')}, lock {self.lock}): give "
+                                   f"each run a directory of its own")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            return
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of `numel` elements backed by a new, fully allocated file (zeros)."""
+        nbytes = numel * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        path = os.path.join(self.dir, f"buffer{self._count}.bin")
+        self._count += 1
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    free = shutil.disk_usage(self.root).free
+                    raise OSError(e.errno, f"Config.offload_dir={self.root!r} is full: {nbytes:,} more bytes are "
+                                           f"needed for the offloaded states ({self.nbytes:,} taken so far), "
+                                           f"{free:,} are free: free space or choose a larger disk") from e
+                raise
+            pages = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the file open
+        t = torch.frombuffer(pages, dtype=dtype, count=numel)
+        self.regions.append((t.data_ptr(), nbytes, pages))
+        self.nbytes += nbytes
+        return t
+
+    def _advise(self, tensors, advice: int) -> None:
+        for t in tensors:
+            if t is None or t.numel() == 0:
+                continue
+            start, length = t.data_ptr(), t.numel() * t.element_size()
+            for base, nbytes, pages in self.regions:
+                if base <= start < base + nbytes:
+                    lo = (start - base) // _PAGE * _PAGE
+                    hi = min(nbytes, -(-(start - base + length) // _PAGE) * _PAGE)
+                    try:
+                        pages.madvise(advice, lo, hi - lo)
+                    except OSError:
+                        if advice == _MADV_PAGEOUT:
+                            pages.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    break
+
+    def prefetch(self, tensors) -> None:
+        """Start reading these tensors' pages from disk (asynchronous)."""
+        self._advise(tensors, mmap.MADV_WILLNEED)
+
+    def release(self, tensors) -> None:
+        """Write these tensors' pages back and drop them from memory."""
+        self._advise(tensors, _MADV_PAGEOUT)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        p = t.data_ptr()
+        return any(base <= p < base + n for base, n, _ in self.regions)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _close(directory: str, lock: str, regions: list) -> None:
+    """The run's files go when it ends; a mapping still viewed by a tensor stays valid
+    (the kernel keeps a deleted file's pages while it is mapped)."""
+    regions.clear()
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        os.remove(lock)
+    except OSError:
+        pass
