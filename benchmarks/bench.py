@@ -19,6 +19,8 @@ Variants:
   zero1_torch  DDP + torch.distributed.optim.ZeroRedundancyOptimizer (formula: stage 1)
   fsdp2        torch.distributed.fsdp.fully_shard per Block, then root (formula: stage 3)
   zerodp0..3   zerodp.initialize(..., Config(stage=s, unit_modules=[Block]))
+  zerodp3_host stage 3 with Config.offload_optimizer="host" (master, gradient copy, states in host memory)
+  zerodp3_disk stage 3 with offload_optimizer="disk" (states in files under $TMPDIR/zerodp-bench-offload)
 
 Model state per rank, fp32 AdamW (K = 8: exp_avg and exp_avg_sq; 4-byte params and grads;
 the fp32 parameters are their own master copy), ZeRO arXiv 1910.02054 §5 with Ψ parameters
@@ -45,10 +47,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("ddp", "zero1_torch", "fsdp2", "zerodp0", "zerodp1", "zerodp2", "zerodp3")
+VARIANTS = ("ddp", "zero1_torch", "fsdp2", "zerodp0", "zerodp1", "zerodp2", "zerodp3", "zerodp3_host",
+            "zerodp3_disk")
 MODELS = ("20m", "120m")
 # The ZeRO stage whose formula each variant's model state should follow.
-FORMULA_STAGE = {"ddp": 0, "zero1_torch": 1, "fsdp2": 3, "zerodp0": 0, "zerodp1": 1, "zerodp2": 2, "zerodp3": 3}
+FORMULA_STAGE = {"ddp": 0, "zero1_torch": 1, "fsdp2": 3, "zerodp0": 0, "zerodp1": 1, "zerodp2": 2, "zerodp3": 3,
+                 "zerodp3_host": 3, "zerodp3_disk": 3}
+# Where the disk variant keeps its optimizer states (each rank in its own rank{r}/).
+OFFLOAD_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "zerodp-bench-offload")
 
 WORLD_SIZE = 2
 WARMUP = 2
@@ -175,13 +181,16 @@ def setup_fsdp2(model, args) -> Trainer:
                    lambda: {**census_nbytes(model.parameters(), opt), "source": "census"})
 
 
-def make_setup_zerodp(stage: int):
+def make_setup_zerodp(stage: int, offload: str = "none"):
     def setup(model, args) -> Trainer:
         import torch
         import zerodp
         from zerodp.demo.models import Block
 
-        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block])
+        if offload == "disk":
+            os.makedirs(OFFLOAD_DIR, exist_ok=True)
+        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block], offload_optimizer=offload,
+                            offload_dir=OFFLOAD_DIR if offload == "disk" else None)
         zmodel, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **adamw_kwargs())
 
         def model_state():
@@ -193,7 +202,8 @@ def make_setup_zerodp(stage: int):
 
 
 SETUPS = {"ddp": setup_ddp, "zero1_torch": setup_zero1_torch, "fsdp2": setup_fsdp2,
-          **{f"zerodp{s}": make_setup_zerodp(s) for s in range(4)}}
+          **{f"zerodp{s}": make_setup_zerodp(s) for s in range(4)},
+          "zerodp3_host": make_setup_zerodp(3, "host"), "zerodp3_disk": make_setup_zerodp(3, "disk")}
 
 
 def worker(args) -> None:
