@@ -12,7 +12,7 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
           "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
-          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer"}
+          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_dir"}
 
 
 def test_fields_are_pinned():
@@ -49,6 +49,7 @@ BAD = [
     ({"hpz": 1, "stage": 3}, "hpz", "true or false"),
     ({"offload_optimizer": "nvme"}, "offload_optimizer", "'host'"),
     ({"offload_optimizer": "host", "stage": 0}, "offload_optimizer", "use stage 1, 2 or 3"),
+    ({"offload_dir": None, "offload_optimizer": "disk"}, "offload_dir", "give a path"),
     ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
 ]
 

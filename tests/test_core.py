@@ -195,8 +195,11 @@ def test_offload_with_accumulation_and_clipping_equals_ddp(world, stage):
 def test_checkpoints_move_between_offloaded_and_not_bit_for_bit(world):
     n, results = world
     for r in results:
-        for (saved, stage), case in r["offload"]["checkpoint"].items():
-            assert case["resumed"], (n, saved, stage)
+        if n == 4:
+            continue  # see offload_cases.offload_grid
+        for (saved, loaded, stage), case in r["offload"]["checkpoint"].items():
+            assert case["resumed"], (n, saved, loaded, stage)
+        assert len(r["offload"]["checkpoint"]) == 8  # host and disk, each way, stages 1 and 3
 
 
 def test_a_bad_offload_dir_fails_on_every_rank_at_initialize(world):

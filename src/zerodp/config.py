@@ -206,6 +206,8 @@ class Config:
         if self.offload_optimizer == "disk" and not isinstance(self.offload_dir, (str, os.PathLike)):
             raise _bad("offload_dir", self.offload_dir, 'offload_optimizer="disk" needs the directory for its '
                                                         'files: give a path')
+        if isinstance(self.offload_dir, os.PathLike):  # kept as text: the Config is saved as JSON
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
         if self.offload_optimizer != "none" and self.stage == 0:
             raise _bad("offload_optimizer", self.offload_optimizer, "stage 0 (DDP) keeps no shard of its own to "
                                                                     "offload: use stage 1, 2 or 3")

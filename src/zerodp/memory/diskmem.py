@@ -7,15 +7,18 @@ mapped into memory (MAP_SHARED), so the optimizer and the checkpoint code use it
 tensor. What decides how much of it is in RAM is `prefetch` and `release`, called by the
 optimizer around each bucket it steps: `prefetch` asks the kernel to start reading the
 next bucket's pages (MADV_WILLNEED, asynchronous), `release` writes back and drops the
-pages of a bucket already stepped (MADV_PAGEOUT; MADV_DONTNEED where the kernel has none),
-while the current bucket steps. So reading bucket k+1 and writing bucket k-1 overlap the
-step of bucket k, and the process holds about three buckets of these buffers resident.
+pages of a bucket already stepped out of the process (MADV_PAGEOUT; MADV_DONTNEED where
+the kernel has none) and starts writing them back (posix_fadvise DONTNEED), dropping
+them from the page cache at the next release, once written. So reading bucket k+1 and
+writing bucket k-1 overlap the step of bucket k, and about three buckets of these
+buffers are in memory, the process's and the page cache's together.
 
 The directory holds scratch, never trusted on its own: a run recreates its files at
 start, and resuming goes through checkpoints. Each rank owns `rank{r}/` and a lock file
 naming its process; a second run pointed at the same directory fails at start while the
-first lives (a lock whose process is gone is taken over). Files are deleted when the run
-ends (the optimizer is freed or the process exits).
+first lives (a lock whose process is gone is taken over). Each file is unlinked as soon as
+it is open, so a run killed outright leaves no bytes behind (only its lock and an empty
+`rank{r}/`); the rest goes when the run ends (the optimizer is freed or the process exits).
 """
 from __future__ import annotations
 
@@ -57,10 +60,11 @@ class OffloadDir:
         except OSError:
             os.remove(self.lock)
             raise
-        self.regions: list[tuple[int, int, mmap.mmap]] = []  # (address, bytes, mapping)
+        self.regions: list[tuple[int, int, mmap.mmap, int]] = []  # (address, bytes, mapping, fd)
+        self._written: list = []  # (fd, offset, bytes) released last, being written back
         self.nbytes = 0
         self._count = 0
-        self._closer = weakref.finalize(self, _close, self.dir, self.lock, self.regions)
+        self._closer = weakref.finalize(self, _close, self.dir, self.lock, self.regions, os.getpid())
         atexit.register(self._closer)
 
     def close(self) -> None:
@@ -76,8 +80,8 @@ class OffloadDir:
                 try:
                     with open(self.lock) as f:
                         owner = json.load(f)
-                except (OSError, ValueError):
-                    owner = {}
+                except (OSError, ValueError):  # empty: its writer died between create and write,
+                    owner = {"host": me["host"], "pid": -1}  # or is writing it now (microseconds)
                 if owner.get("host") == me["host"] and not _alive(int(owner.get("pid", -1))):
                     os.remove(self.lock)  # its process is gone: a killed run's
                     continue
@@ -96,6 +100,9 @@ class OffloadDir:
         path = os.path.join(self.dir, f"buffer{self._count}.bin")
         self._count += 1
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        # Unlinked at once: the open file keeps its blocks, and a run killed outright
+        # leaves no bytes on the disk behind it.
+        os.remove(path)
         try:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -107,40 +114,50 @@ class OffloadDir:
                                            f"{free:,} are free: free space or choose a larger disk") from e
                 raise
             pages = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)  # the mapping keeps the file open
+        except BaseException:
+            os.close(fd)
+            raise
         t = torch.frombuffer(pages, dtype=dtype, count=numel)
-        self.regions.append((t.data_ptr(), nbytes, pages))
+        self.regions.append((t.data_ptr(), nbytes, pages, fd))
         self.nbytes += nbytes
         return t
 
-    def _advise(self, tensors, advice: int) -> None:
+    def _ranges(self, tensors):
+        """(mapping, fd, page-aligned offset, length) of each tensor that lies in a file."""
         for t in tensors:
             if t is None or t.numel() == 0:
                 continue
             start, length = t.data_ptr(), t.numel() * t.element_size()
-            for base, nbytes, pages in self.regions:
+            for base, nbytes, pages, fd in self.regions:
                 if base <= start < base + nbytes:
                     lo = (start - base) // _PAGE * _PAGE
                     hi = min(nbytes, -(-(start - base + length) // _PAGE) * _PAGE)
-                    try:
-                        pages.madvise(advice, lo, hi - lo)
-                    except OSError:
-                        if advice == _MADV_PAGEOUT:
-                            pages.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    yield pages, fd, lo, hi - lo
                     break
 
     def prefetch(self, tensors) -> None:
         """Start reading these tensors' pages from disk (asynchronous)."""
-        self._advise(tensors, mmap.MADV_WILLNEED)
+        for pages, _, lo, n in self._ranges(tensors):
+            pages.madvise(mmap.MADV_WILLNEED, lo, n)
 
     def release(self, tensors) -> None:
-        """Write these tensors' pages back and drop them from memory."""
-        self._advise(tensors, _MADV_PAGEOUT)
+        """Drop these tensors' pages from this process and start writing them back
+        (asynchronous); the pages released the time before, written by now, leave the
+        page cache too."""
+        for fd, lo, n in self._written:
+            os.posix_fadvise(fd, lo, n, os.POSIX_FADV_DONTNEED)
+        self._written = []
+        for pages, fd, lo, n in self._ranges(tensors):
+            try:
+                pages.madvise(_MADV_PAGEOUT, lo, n)
+            except OSError:
+                pages.madvise(mmap.MADV_DONTNEED, lo, n)
+            os.posix_fadvise(fd, lo, n, os.POSIX_FADV_DONTNEED)  # starts the writeback of dirty pages
+            self._written.append((fd, lo, n))
 
     def owns(self, t: torch.Tensor) -> bool:
         p = t.data_ptr()
-        return any(base <= p < base + n for base, n, _ in self.regions)
+        return any(base <= p < base + n for base, n, _, _ in self.regions)
 
 
 def _alive(pid: int) -> bool:
@@ -153,9 +170,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _close(directory: str, lock: str, regions: list) -> None:
-    """The run's files go when it ends; a mapping still viewed by a tensor stays valid
-    (the kernel keeps a deleted file's pages while it is mapped)."""
+def _close(directory: str, lock: str, regions: list, owner: int) -> None:
+    """The run's files go when it ends (not from a forked child's exit); a mapping still
+    viewed by a tensor stays valid (the kernel keeps a file's pages while it is mapped)."""
+    if os.getpid() != owner:
+        return
+    for _, _, _, fd in regions:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     regions.clear()
     shutil.rmtree(directory, ignore_errors=True)
     try:

@@ -99,13 +99,13 @@ def check_elementwise(inner: torch.optim.Optimizer) -> None:
                          f"AdamW, Adam, SGD, Adagrad or RMSprop")
 
 
-def elementwise_state_dtypes(inner: torch.optim.Optimizer) -> dict:
-    """The per-element states (name -> dtype) the optimizer creates for an fp32 parameter,
-    found by stepping a fresh instance with the first group's hyperparameters once on a
-    throwaway tensor; {} if it cannot be built that way (they are then allocated at the
-    first step)."""
+def elementwise_state_dtypes(inner: torch.optim.Optimizer, group: int = 0) -> dict:
+    """The per-element states (name -> dtype) the optimizer creates for an fp32 parameter
+    of param group `group`, found by stepping a fresh instance with that group's
+    hyperparameters once on a throwaway tensor; {} if it cannot be built that way (they
+    are then allocated at the first step)."""
     cls = type(inner)
-    hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    hyper = {k: v for k, v in inner.param_groups[group].items() if k != "params"}
     probe = torch.zeros(4, requires_grad=True)
     try:
         opt = cls([{"params": [probe], **hyper}])

@@ -133,6 +133,7 @@ class MasterShard:
             for m, param in zip(self.master_tensors, self.storage.owned_params()):
                 self.placement.write_back(m, param)
             self.placement.synchronize()
+            self.placement.release(self.master_tensors)  # disk: read for this, dropped again
 
     def refresh_from_params(self) -> None:
         """Restart the master from parameters changed by hand or by a load: only where it no
@@ -140,8 +141,9 @@ class MasterShard:
         dict loaded before the model's, as torch's set_state_dict does) is kept."""
         if not self.full_precision:
             for m, param in zip(self.master_tensors, self.storage.owned_params()):
-                p = param.reshape(-1)
+                p = param.reshape(-1).to(m.device)  # an offloaded master lives elsewhere
                 m.copy_(torch.where(m.to(p.dtype) != p, p.float(), m))
+            self.placement.release(self.master_tensors)
 
 
 def runs_of_bytes(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:

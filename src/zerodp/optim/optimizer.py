@@ -29,7 +29,7 @@ from ..memory import hostmem
 from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
 from .clipping import global_grad_norm, local_nonfinite
 from .master import MasterShard, ShardStorage, runs_of_bytes
-from .inner import elementwise_state_dtypes
+from .homes import StateHomes
 from .offload import placement_for
 from ..distributed.agreement import raise_if_any_failed
 from ..sharding.rows import RowSharding
@@ -66,7 +66,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # [Note: master placement] in master.py; offloaded: [Note: host placement] and
         # [Note: disk placement] in offload.py. A directory or disk that cannot take the
         # states fails on every rank before training starts.
-        disk = config.offload_optimizer == "disk"
+        disk, offloaded = config.offload_optimizer == "disk", config.offload_optimizer != "none"
         problem = None
         try:
             self.placement = placement_for(config.offload_optimizer, comm.device, config.offload_dir, comm.rank)
@@ -76,11 +76,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.shards.append(shards)
                 group["params"] = [t for s in shards for t in s.master_tensors]
         except Exception as e:  # noqa: BLE001 - raised on this rank by the agreement below
-            if not disk:
+            if not offloaded:
                 raise
             problem = e
-        if disk:
-            self._raise_offload_failures(problem, "placing the optimizer in Config.offload_dir")
+        if offloaded:
+            self._raise_offload_failures(problem, f"placing the optimizer states ({config.offload_optimizer})")
         for group_storages in storages:  # only after every group's master is built: units span groups
             for s in group_storages:
                 s.drop_initial_fp32()
@@ -94,14 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grads_prepared = False
         self._found_inf = False
         self._last_skipped = False
-        self._rehomed: set = set()  # (id(master tensor), state key) moved into a long-lived buffer
-        self._homes: dict = {}  # (shard index, state key, dtype) -> that buffer
-        self._home_of = {}  # id(master tensor) -> (shard index, offset in the shard's buffers)
-        for si, shard in enumerate(self._all_shards()):
-            at = 0
-            for m in shard.master_tensors:
-                self._home_of[id(m)] = (si, at)
-                at += m.numel()
+        self.homes = StateHomes(self._all_shards(), self.placement)  # the states' long-lived buffers
         self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
         self._scaled_backwards = 0  # backward passes run through self.backward since the last step
         self._norm_this_step = None  # the global norm, when clip_grad_norm_ ran in this step
@@ -116,10 +109,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if disk:  # the states' files now, so that a full disk is found before the first step
             problem = None
             try:
-                for key, dtype in elementwise_state_dtypes(inner).items():
-                    for si, shard in enumerate(self._all_shards()):
-                        if shard.master_tensors:
-                            self._state_home(si, key, dtype, shard.master_tensors[0].device)
+                self.homes.allocate_ahead(inner, self.shards)
             except Exception as e:  # noqa: BLE001
                 problem = e
             self._raise_offload_failures(problem, "allocating the optimizer states in Config.offload_dir")
@@ -349,52 +339,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             for k, (gi, chunk) in enumerate(chunks):
                 if k + 1 < len(chunks):  # disk: read the next bucket while this one steps
-                    place.prefetch(self._step_tensors(chunks[k + 1][1]))
+                    place.prefetch(self.homes.step_tensors(self.inner.state, chunks[k + 1][1]))
                 for gj, g in enumerate(groups):
                     g["params"] = chunk if gj == gi else []
                 self._inner_step_fn(self.inner)
-                self._rehome(chunk)
+                self.homes.move_in(self.inner.state, chunk, self._on_cpu)
                 if k > 0:  # disk: write back the bucket before, drop it from memory
-                    place.release(self._step_tensors(chunks[k - 1][1]))
+                    place.release(self.homes.step_tensors(self.inner.state, chunks[k - 1][1]))
             if chunks:
-                place.release(self._step_tensors(chunks[-1][1]))
+                place.release(self.homes.step_tensors(self.inner.state, chunks[-1][1]))
         finally:
             for g, params in zip(groups, everything):
                 g["params"] = params
-
-    def _step_tensors(self, chunk: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A bucket's master tensors and their per-element states."""
-        states = [v for t in chunk for v in self.inner.state.get(t, {}).values() if is_elementwise_state(v, t)]
-        return [*chunk, *states]
-
-    def _rehome(self, chunk: list[torch.Tensor]) -> None:
-        """The optimizer creates its per-element states lazily, in its first step, one small
-        tensor per piece, in the C heap; each moves at once into one long-lived buffer per
-        shard and state, allocated by the placement: [Note: long-lived host buffers] in
-        memory/hostmem.py, or a file ([Note: disk placement] in optim/offload.py). Bucket
-        by bucket, so that no more than a bucket of states is ever held twice."""
-        moved = 0
-        for t in chunk:
-            shard_index, offset = self._home_of[id(t)]
-            for k, v in list(self.inner.state.get(t, {}).items()):
-                if not is_elementwise_state(v, t) or (id(t), k) in self._rehomed:
-                    continue
-                home = self._state_home(shard_index, k, v.dtype, v.device)
-                new = home[offset: offset + v.numel()].view_as(v)
-                new.copy_(v)
-                self.inner.state[t][k] = new  # the heap copy is freed here
-                self._rehomed.add((id(t), k))
-                moved += v.numel() * v.element_size()
-        if moved and self._on_cpu:
-            hostmem.release_free_heap()
-
-    def _state_home(self, shard_index: int, key: str, dtype: torch.dtype, device) -> torch.Tensor:
-        home = self._homes.get((shard_index, key, dtype))
-        if home is None:
-            shard = self._all_shards()[shard_index]
-            home = self.placement.allocate_state(sum(m.numel() for m in shard.master_tensors), dtype, device)
-            self._homes[(shard_index, key, dtype)] = home
-        return home
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient and start the backward schedule over: after a backward that
@@ -465,7 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Drop every optimizer state, as before the first step (the long-lived buffers
         stay, for the states of the next first step)."""
         self.inner.state.clear()
-        self._rehomed.clear()
+        self.homes.forget()
 
     @torch.no_grad()
     def load_scalar_states(self, scalars: list[dict]) -> None:
@@ -506,7 +462,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         census.claim("grads", (b for s in self._all_shards() for b in s.grad_staging))
         census.claim("optimizer_states", (v for p, state in self.inner.state.items()
                                           for v in state.values() if is_elementwise_state(v, p)))
-        census.claim("optimizer_states", self._homes.values())  # allocated before the first step (disk)
+        census.claim("optimizer_states", self.homes.buffers.values())  # allocated ahead (disk)
         census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
         secondary = getattr(self.grad_sync, "secondary_pool", None)
         census.claim("secondary_params", secondary.allocated if secondary is not None else ())
@@ -524,7 +480,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             kept = [*(m for s in self._all_shards() for m in s.master_tensors),
                     *(b for s in self._all_shards() for b in s.grad_staging),
                     *(v for p, state in self.inner.state.items() for v in state.values()
-                      if is_elementwise_state(v, p)), *self._homes.values()]
+                      if is_elementwise_state(v, p)), *self.homes.buffers.values()]
             offloaded.claim(self.placement.kind, (t for t in kept if files is None or files.owns(t)))
         by_place = offloaded.by_owner()
         return MemoryReport(
