@@ -182,6 +182,13 @@ def test_the_ledger_counts_what_each_placement_holds(world):
             master = 4 * owned if precision == "bf16" else 0
             assert case["disk"] == master + states and case["host"] == 0, (n, key, case)
         assert case["master"] == (0 if place == "disk" and precision == "fp32" else 4 * owned), (n, key)
+        # `zerodp estimate --offload`'s model of the same rank (Ψ/N = what this rank owns).
+        from zerodp.memory.estimator import placement_bytes
+
+        pbytes = 4 if precision == "fp32" else 2
+        k = case["state_bytes"] + (4 if precision == "bf16" else 0)
+        model = placement_bytes(owned * n, n, stage, place, k=k, param_bytes=pbytes, grad_bytes=pbytes)
+        assert (model["host"], model["disk"]) == (case["host"], case["disk"]), (n, key, model, case)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -179,3 +179,20 @@ def test_activation_bytes_matches_the_paper():
 def test_bad_inputs_raise_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_placements_move_the_optimizer_off_the_device():
+    from zerodp.memory.estimator import largest_model_placed, placement_bytes
+
+    # 7.5B, N = 8, stage 3, mixed-precision Adam: 2 + 2 bytes on the device per Ψ/N; host
+    # offload adds the fp32 master, an fp32 gradient copy and 8 bytes of states (16), disk K = 12.
+    host = placement_bytes(7.5e9, 8, 3, "host")
+    assert host == {"device": 7.5e9 * 4 / 8, "host": 7.5e9 * 16 / 8, "disk": 0.0}
+    disk = placement_bytes(7.5e9, 8, 3, "disk")
+    assert disk == {"device": 7.5e9 * 4 / 8, "host": 0.0, "disk": 7.5e9 * 12 / 8}
+    assert placement_bytes(7.5e9, 8, 3, "none")["device"] == 7.5e9 * 16 / 8
+    # The tightest limit decides: 32 GB of device (64B) against 256 GB of host (128B).
+    assert largest_model_placed(8, 3, "host", {"device": 32e9, "host": 256e9}) == 64 * 10**9
+    assert largest_model_placed(8, 3, "host", {"device": 32e9, "host": 64e9}) == 32 * 10**9
+    with pytest.raises(ValueError, match="stage 1, 2 or 3"):
+        placement_bytes(1e9, 8, 0, "host")

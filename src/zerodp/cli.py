@@ -177,9 +177,34 @@ def _resolve_model(args) -> Optional[tuple[str, int]]:
     return None
 
 
+def _estimate_placed(args, model) -> int:
+    """`zerodp estimate --offload`: bytes by place per world size and stage 1-3, and the
+    largest model that fits the limits given."""
+    from zerodp.memory import estimator as est
+
+    kw = dict(k=args.k, param_bytes=args.param_bytes, grad_bytes=args.grad_bytes)
+    limits = {"device": args.device_memory, "host": args.host_memory, "disk": args.disk}
+    print(f"offload_optimizer={args.offload!r}: GB per rank (1e9 bytes), K={args.k:g}, "
+          f"{args.param_bytes:g}-byte parameters" + (f", {model[0]} ({model[1]:,} parameters)" if model else ""))
+    print("| N | stage | device | host | disk | largest model within the limits |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in args.world_sizes:
+        for stage in [s for s in args.stages if s > 0]:
+            b = est.placement_bytes(model[1] if model else 0, n, stage, args.offload, **kw)
+            try:
+                fits = f"{est.largest_model_placed(n, stage, args.offload, limits, **kw) / 1e9:.2f}B"
+            except ValueError:
+                fits = "—"
+            cells = " | ".join(f"{b[p] / 1e9:.2f}" if model else "—" for p in est.PLACES)
+            print(f"| {n} | {stage} | {cells} | {fits} |")
+    return 0
+
+
 def cmd_estimate(args: argparse.Namespace, argv: list[str]) -> int:
     from zerodp.memory import estimator as est
 
+    if args.offload is not None:
+        return _estimate_placed(args, _resolve_model(args))
     if args.paper_table_1:
         print("ZeRO (arXiv 1910.02054) Table 1: model-state GB per device, mixed-precision Adam (K=12)")
         print(est.format_table(est.paper_table_1()))
@@ -329,6 +354,10 @@ def build_parser() -> Parser:
     e.add_argument("--checkpointing", action="store_true", help="activations: one checkpoint per layer")
     e.add_argument("--device-memory", type=parse_size, help="bytes per device, e.g. 32GB: shows what fits")
     e.add_argument("--paper-table-1", action="store_true", help="print the paper's Table 1 and exit")
+    e.add_argument("--offload", choices=("host", "disk"), default=None,
+                   help="with Config.offload_optimizer: bytes per rank on the device, the host and the disk")
+    e.add_argument("--host-memory", type=parse_size, help="--offload: host bytes per rank, e.g. 256GB")
+    e.add_argument("--disk", type=parse_size, help="--offload disk: disk bytes per rank, e.g. 2TB")
 
     la = sub.add_parser("launch", help="run a script on several processes or nodes (a thin torchrun wrapper)",
                         description="zerodp launch --nproc 4 train.py ARGS  ==  torchrun --standalone "

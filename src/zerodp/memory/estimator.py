@@ -101,6 +101,46 @@ def largest_model(device_bytes: float, world_size: int, stage: int, k: float = 1
     return math.floor(Fraction(device_bytes) / per_param)
 
 
+PLACES = ("device", "host", "disk")
+
+
+def placement_bytes(num_params: int, world_size: int, stage: int, offload: str = "none", k: float = 12,
+                    param_bytes: float = 2, grad_bytes: float = 2) -> dict:
+    """Bytes per rank in each place (device, host, disk) with `Config.offload_optimizer`
+    = `offload` (docs/offload.md), stages 1-3. K holds the fp32 master (4 bytes) when the
+    parameters are 16-bit, and the optimizer's states. "host": the device keeps the
+    parameters and gradients of the stage; the host the fp32 master (a copy even in fp32),
+    an fp32 gradient copy and the states: (4 + 4 + K - master) Ψ/N. "disk" (a CPU run:
+    device = host memory): the parameters and gradients in memory, the master (16-bit
+    runs; in fp32 the parameters are it) and the states on disk: K Ψ/N."""
+    _check(num_params, world_size, stage, k, param_bytes, grad_bytes)
+    if offload not in ("none", "host", "disk"):
+        raise ValueError(f"offload={offload!r}: use 'none', 'host' or 'disk'")
+    psi, n = Fraction(num_params), world_size
+    if offload == "none":
+        return {"device": float(psi * _bytes_per_param(n, stage, k, param_bytes, grad_bytes)), "host": 0.0,
+                "disk": 0.0}
+    if stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3 (stage 0 keeps no shard of its own)")
+    on_device = psi * _bytes_per_param(n, stage, 0, param_bytes, grad_bytes)  # the stage without K
+    master = 4 if param_bytes < 4 else 0
+    if offload == "host":
+        return {"device": float(on_device), "host": float(psi * (8 + Fraction(k) - master) / n), "disk": 0.0}
+    return {"device": float(on_device), "host": 0.0, "disk": float(psi * Fraction(k) / n)}
+
+
+def largest_model_placed(world_size: int, stage: int, offload: str, limits: dict, k: float = 12,
+                         param_bytes: float = 2, grad_bytes: float = 2) -> int:
+    """Largest Ψ whose bytes fit every place's limit in `limits` (bytes per rank by place;
+    a place without a limit is unbounded)."""
+    per = placement_bytes(10**12, world_size, stage, offload, k, param_bytes, grad_bytes)
+    bound = [Fraction(limits[place]) * 10**12 / Fraction(per[place]) for place in PLACES
+             if per[place] > 0 and limits.get(place) is not None]
+    if not bound:
+        raise ValueError("no place with bytes has a limit: give the device's (and host's or disk's) memory")
+    return math.floor(min(bound))
+
+
 def activation_bytes(
     n_layer: int,
     hidden: int,
