@@ -125,7 +125,7 @@ def make_zero(stage, precision, preset, device, born=False, **cfg_kwargs):
     return zerodp.initialize(model, torch.optim.AdamW, cfg, lr=LR)
 
 
-def check_case(stage, born, precision, args, device, **cfg_kwargs):
+def check_case(stage, born, precision, args, device, tag="", **cfg_kwargs):
     rank, preset = dist.get_rank(), "tiny"
     scale = FP16_SCALE if precision == "fp16" else 1.0
     extra = {"loss_scale": FP16_SCALE} if precision == "fp16" else {}
@@ -143,7 +143,7 @@ def check_case(stage, born, precision, args, device, **cfg_kwargs):
     loss_diff, param_diff = agree_max(loss_diff, device), agree_max(param_diff, device)
     loss_tol, param_tol = LOSS_TOL[precision], 2 * LR * args.steps + ULP[precision]
     ok = loss_diff <= loss_tol and param_diff <= param_tol
-    log(f"{label(stage, born)} {precision}  loss diff {loss_diff:.1e} (tol {loss_tol:.0e})  "
+    log(f"{label(stage, born)} {precision}{tag}  loss diff {loss_diff:.1e} (tol {loss_tol:.0e})  "
         f"param diff {param_diff:.1e} (tol {param_tol:.1e})  {'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -177,7 +177,7 @@ def check_overflow_skip(stage, args, device):
 
 def check_offload(stage, precision, args, device):
     """Config.offload_optimizer='host': pinned host masters, non-blocking copies both ways."""
-    return check_case(stage, False, precision, args, device, offload_optimizer="host")
+    return check_case(stage, False, precision, args, device, tag=" host offload", offload_optimizer="host")
 
 
 def check_quantize_kernels(args, device):
