@@ -42,6 +42,16 @@ def hybrid_world(rank: int, world_size: int, root: str) -> dict:
     model, opt, _, _, volumes = train_zerodp(Net, OPTIMIZERS["sgd"], zerodp.Config(stage=3, unit_min_params=10), rank)
     out["flat_stage3"] = {"by_axis": volumes[-1]["nbytes_by_axis"], "by_link": volumes[-1]["nbytes_by_link"],
                           "padded_numel": opt.memory_report().padded_numel}
+    # bf16 and fp16 (AdamW, stages 2 and 3): the rows' all-reduce of the 16-bit shard too.
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for stage in (2, 3):
+            cfg = zerodp.Config(stage=stage, replicate_size=2, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
+                                unit_min_params=10)
+            ref, ref_losses, _ = train_reference(Net, OPTIMIZERS["adamw"], dtype, rank)
+            model, opt, losses, _, _ = train_zerodp(Net, OPTIMIZERS["adamw"], cfg, rank)
+            with zerodp.gathered_parameters(model):
+                out[(precision, stage)] = {"diff": max_rel_diff(model, ref), "skipped": opt.skipped_steps,
+                                           "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses))}
     # Accumulation over 2 micro-batches at stage 2, reduced per micro-batch.
     cfg = zerodp.Config(stage=2, replicate_size=2, bucket_bytes=SMALL_BUCKET, grad_accumulation_steps=2)
     ref, _, _ = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank)

@@ -3,7 +3,7 @@ import pytest
 
 from harness import run_world
 from hybrid_cases import hybrid_world
-from test_core import FP32_TOL
+from test_core import BF16_TOL, FP32_TOL
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,12 @@ def test_hybrid_accumulation_and_checkpoint(results):
         assert r["accumulation"] <= FP32_TOL
         assert r["writers"] == [0, 1]  # the first row writes; the second holds the same shards
         assert r["loaded"] == 0.0  # loads bitwise into a model sharded over all 4 ranks
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_sharding_in_16_bit_equals_ddp(results, precision, stage):
+    for r in results:
+        case = r[(precision, stage)]
+        # The 16-bit parity tolerance of every mixed-precision test (test_core.BF16_TOL).
+        assert case["diff"] <= BF16_TOL and case["loss_diff"] <= BF16_TOL and case["skipped"] == 0, case
