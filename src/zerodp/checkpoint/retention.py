@@ -7,10 +7,8 @@ killed in the middle of replacing a checkpoint may leave `{path}.old-{id}`. Neit
 loaded (`latest` skips both), but they hold the disk. Each temporary directory names its
 writer (OWNER: host with its boot and pid namespace, pid, start time); after every
 successful save rank 0 removes the siblings whose writer is gone: on this host, a pid that
-no longer runs; elsewhere (a shared filesystem, another container), one older than a day.
-A save in progress, by this job or another, is never touched. A kill can land between the
-directory's creation and its OWNER file, so its name carries the writer too
-(`temporary_name`: a digest of the host and the pid): such a directory is judged by that. `.old-` directories live for the milliseconds of a commit; one older than
+no longer runs; elsewhere (a shared filesystem, another container), one older than a day. A save in progress, by this job or another, is
+never touched. `.old-` directories live for the milliseconds of a commit; one older than
 a minute is a leftover.
 """
 from __future__ import annotations
@@ -18,8 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import hashlib
-import re
 import shutil
 import socket
 import time
@@ -29,7 +25,7 @@ from .format import COMPLETE, METADATA, OLD_TAG, TMP_TAG
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OWNER", "owner_record", "prune", "remove_stale", "temporary_name"]
+__all__ = ["OWNER", "owner_record", "prune", "remove_stale"]
 
 OWNER = "OWNER"
 FOREIGN_STALE_S = 24 * 3600.0
@@ -52,19 +48,6 @@ def owner_record() -> dict:
     return {"host": _machine(), "pid": os.getpid(), "started": time.time()}
 
 
-def _host_digest() -> str:
-    return hashlib.sha1(_machine().encode()).hexdigest()[:10]
-
-
-# `{path}.tmp-{host digest}-{pid}-{random}`: see [Note: stale leftovers].
-_NAMED_WRITER = re.compile(re.escape(TMP_TAG) + r"([0-9a-f]{10})-([0-9]+)-[0-9a-f]+$")
-
-
-def temporary_name(path: str) -> str:
-    """The temporary directory of a save to `path`, naming its writer."""
-    return f"{path}{TMP_TAG}{_host_digest()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -83,11 +66,8 @@ def _is_stale(entry: os.DirEntry, now: float) -> bool:
     try:
         with open(os.path.join(entry.path, OWNER)) as f:
             owner = json.load(f)
-    except (OSError, ValueError):  # no OWNER (killed before writing it, or an older zerodp)
-        named = _NAMED_WRITER.search(entry.name)
-        if named is not None and named.group(1) == _host_digest():
-            return not _alive(int(named.group(2)))
-        return age > FOREIGN_STALE_S
+    except (OSError, ValueError):
+        return age > FOREIGN_STALE_S  # no owner recorded (yet, or by an older zerodp)
     if owner.get("host") == _machine():
         return not _alive(int(owner.get("pid", -1)))
     return now - float(owner.get("started", 0.0)) > FOREIGN_STALE_S

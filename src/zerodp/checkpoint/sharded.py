@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from .format import (
     write_replicated,
 )
 from .reader import Reader, name_mismatch, open_checkpoint, verify
-from .retention import OWNER, owner_record, prune, remove_stale, temporary_name
+from .retention import OWNER, owner_record, prune, remove_stale
 from .rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
         slices = _slices_to_write(optimizer)
-        local = {"ok": True, "tmp": temporary_name(path),
+        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{uuid.uuid4().hex[:12]}",
                  "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
