@@ -181,16 +181,19 @@ def setup_fsdp2(model, args) -> Trainer:
                    lambda: {**census_nbytes(model.parameters(), opt), "source": "census"})
 
 
-def make_setup_zerodp(stage: int, offload: str = "none"):
+def make_setup_zerodp(stage: int, **fields):
+    """zerodp at `stage` with other Config `fields` (e.g. offload_optimizer="disk", whose
+    files go under OFFLOAD_DIR)."""
     def setup(model, args) -> Trainer:
         import torch
         import zerodp
         from zerodp.demo.models import Block
 
-        if offload == "disk":
+        chosen = dict(fields)
+        if chosen.get("offload_optimizer") == "disk":
             os.makedirs(OFFLOAD_DIR, exist_ok=True)
-        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block], offload_optimizer=offload,
-                            offload_dir=OFFLOAD_DIR if offload == "disk" else None)
+            chosen.setdefault("offload_dir", OFFLOAD_DIR)
+        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block], **chosen)
         zmodel, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **adamw_kwargs())
 
         def model_state():
@@ -201,9 +204,28 @@ def make_setup_zerodp(stage: int, offload: str = "none"):
     return setup
 
 
+def timed_steps(trainer: Trainer, batches: list) -> tuple[list[float], list[float]]:
+    """One step per batch, every rank starting together (so a step's time is the slowest
+    rank's); returns (losses, seconds per step)."""
+    import torch.distributed as dist
+
+    losses, step_s = [], []
+    for x, y in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.zero_grad()
+        loss = trainer.forward(x, y)
+        trainer.backward(loss)
+        trainer.step()
+        step_s.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return losses, step_s
+
+
 SETUPS = {"ddp": setup_ddp, "zero1_torch": setup_zero1_torch, "fsdp2": setup_fsdp2,
           **{f"zerodp{s}": make_setup_zerodp(s) for s in range(4)},
-          "zerodp3_host": make_setup_zerodp(3, "host"), "zerodp3_disk": make_setup_zerodp(3, "disk")}
+          "zerodp3_host": make_setup_zerodp(3, offload_optimizer="host"),
+          "zerodp3_disk": make_setup_zerodp(3, offload_optimizer="disk")}
 
 
 def worker(args) -> None:
@@ -220,16 +242,7 @@ def worker(args) -> None:
     del model
     setup_s = time.perf_counter() - t_start
 
-    losses, step_s = [], []
-    for x, y in batches:
-        dist.barrier()  # every step starts together, so a step's time is the slowest rank's
-        t0 = time.perf_counter()
-        trainer.zero_grad()
-        loss = trainer.forward(x, y)
-        trainer.backward(loss)
-        trainer.step()
-        step_s.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    losses, step_s = timed_steps(trainer, batches)
     state = trainer.model_state()
     mine = {"rank": rank, "losses": losses, "step_s": step_s, "peak_rss": peak_rss_bytes(),
             "model_state": state, "comm": trainer.comm(), "setup_s": setup_s}

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, Trainer, _loss_fn, adamw_kwargs, build_model, make_batches, peak_rss_bytes, uptime  # noqa: E402
+from bench import (ROOT, Trainer, _loss_fn, adamw_kwargs, build_model, make_batches, make_setup_zerodp,  # noqa: E402
+                   peak_rss_bytes, timed_steps, uptime)
 
 NODES, PER_NODE = 2, 2
 WARMUP = 2
@@ -45,21 +46,6 @@ ZEROPP = {
 }
 VARIANTS = (*ZEROPP, "fsdp2_hsdp")
 LINKS_GBIT = (25, 100)
-
-
-def setup_zerodp(variant: str):
-    def setup(model, args) -> Trainer:
-        import torch
-        import zerodp
-        from zerodp.demo.models import Block
-
-        fields = {"stage": 3, **ZEROPP[variant]}
-        cfg = zerodp.Config(mixed_precision="fp32", unit_modules=[Block], **fields)
-        zmodel, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **adamw_kwargs())
-        return Trainer(_loss_fn(zmodel), opt.backward, opt.step, opt.zero_grad,
-                       lambda: {**opt.memory_report().as_dict(), "source": "ledger"},
-                       lambda: opt.comm.ledger.summary())
-    return setup
 
 
 def setup_fsdp2_hsdp(model, args) -> Trainer:
@@ -92,18 +78,11 @@ def worker(args) -> None:
     model = build_model(args.model)
     psi = model.num_params()
     batches = make_batches(rank, args.steps, args.micro_batch, args.seq, model.config.vocab_size)
-    trainer = (setup_fsdp2_hsdp if args.variant == "fsdp2_hsdp" else setup_zerodp(args.variant))(model, args)
+    setup = setup_fsdp2_hsdp if args.variant == "fsdp2_hsdp" else make_setup_zerodp(
+        **{"stage": 3, **ZEROPP[args.variant]})
+    trainer = setup(model, args)
     del model
-    losses, step_s = [], []
-    for x, y in batches:
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.zero_grad()
-        loss = trainer.forward(x, y)
-        trainer.backward(loss)
-        trainer.step()
-        step_s.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    losses, step_s = timed_steps(trainer, batches)
     mine = {"losses": losses, "step_s": step_s, "peak_rss": peak_rss_bytes(), "comm": trainer.comm(),
             "memory": trainer.model_state()}
     everyone = [None] * ws

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from checkpoint_cases import error_of
 from core_cases import OPTIMIZERS, SMALL_BUCKET, Net, batch, loss_fn, max_rel_diff, train_reference, train_zerodp
 
 STATE_BYTES = {"sgd": 4, "adamw": 8}  # momentum; exp_avg + exp_avg_sq (fp32)
@@ -83,14 +84,6 @@ def offload_grid(rank: int, world_size: int) -> dict:
     return out
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def bad_offload_dirs(rank: int, root: str) -> dict:
     """A missing, a read-only, a full and a shared offload_dir: a clear error on every rank at
     initialize, before any step. Only rank 1's disk is full."""
@@ -100,11 +93,11 @@ def bad_offload_dirs(rank: int, root: str) -> dict:
     out = {}
     good = os.path.join(root, "good")
     os.makedirs(good, exist_ok=True)
-    out["missing"] = _error(lambda: build(os.path.join(root, "nowhere")))
+    out["missing"] = error_of(lambda: build(os.path.join(root, "nowhere")))
     read_only = os.path.join(root, "read-only")
     os.makedirs(read_only, exist_ok=True)
     os.chmod(read_only, 0o500)
-    out["read_only"] = _error(lambda: build(read_only)) if os.geteuid() != 0 else "root ignores permissions"
+    out["read_only"] = error_of(lambda: build(read_only)) if os.geteuid() != 0 else "root ignores permissions"
     os.chmod(read_only, 0o700)
     real = os.posix_fallocate
 
@@ -112,11 +105,11 @@ def bad_offload_dirs(rank: int, root: str) -> dict:
         raise OSError(28, "No space left on device")
     os.posix_fallocate = full if rank == 1 else real
     try:
-        out["full"] = _error(lambda: build(os.path.join(root, "good")))
+        out["full"] = error_of(lambda: build(os.path.join(root, "good")))
     finally:
         os.posix_fallocate = real
     kept = build(os.path.join(root, "good"))  # held: a second run on the same directory
-    out["shared"] = _error(lambda: build(os.path.join(root, "good")))
+    out["shared"] = error_of(lambda: build(os.path.join(root, "good")))
     out["kept_alive"] = kept is not None
     return out
 

@@ -155,7 +155,7 @@ class Topology:
                               f"ranks: the mesh is replicate x shard, so use a divisor of {world}")
         base = group if group is not None else dist.group.WORLD
         if timeout_s is not None:
-            base = _own_group(base, timeout_s)
+            base = _subgroup(base, dist.get_process_group_ranks(base), float(timeout_s))  # zerodp's timeout
         mesh = _mesh(base, device.type, replicate_size)
         shard_size = world // replicate_size
         node = _known_ranks_per_node() if group is None or group == dist.group.WORLD else None
@@ -193,37 +193,22 @@ def _known_ranks_per_node() -> Optional[int]:
 
 
 def _subgroup(parent: dist.ProcessGroup, ranks: list[int], timeout_s: Optional[float]) -> dist.ProcessGroup:
-    """A process group over `ranks` (a subset of `parent`'s, this rank among them), built
-    once and by its members alone."""
-    key = ("sub", parent.group_name, tuple(ranks), timeout_s)
+    """A process group over `ranks` (`parent`'s, or a subset with this rank among them),
+    built once per parent, ranks and timeout; over a subset only its members create it
+    (`use_local_synchronization`), over every process all of them call new_group anyway."""
+    key = ("group", parent.group_name, tuple(ranks), timeout_s)
     built = _MESHES.get(key)
     if built is not None and built[0] is parent:
         return built[1]
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-    group = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+    group = dist.new_group(ranks, use_local_synchronization=len(ranks) != dist.get_world_size(), **kwargs)
     _MESHES[key] = (parent, group)
     return group
-
 
 def _axis(axis: str) -> str:
     if axis not in AXES:
         raise ValueError(f"mesh axis {axis!r} is unknown: use one of {AXES}")
     return axis
-
-
-def _own_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """A process group over `group`'s ranks with zerodp's timeout, built once per group and
-    timeout; created by its members alone (`use_local_synchronization`)."""
-    key = ("own", group.group_name, float(timeout_s))
-    built = _MESHES.get(key)
-    if built is not None and built[0] is group:
-        return built[1]
-    ranks = dist.get_process_group_ranks(group)
-    # Over every process all of them call new_group anyway; over a subgroup only its members do.
-    own = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s),
-                         use_local_synchronization=len(ranks) != dist.get_world_size())
-    _MESHES[key] = (group, own)
-    return own
 
 
 def _mesh(group: dist.ProcessGroup, device_type: str, replicate_size: int) -> DeviceMesh:

@@ -56,14 +56,22 @@ def grouped_params(inner: torch.optim.Optimizer, named: list) -> list[list[int]]
     return groups
 
 
+def _fresh_parts(inner: torch.optim.Optimizer, group: int = 0) -> tuple:
+    """What a probe builds a fresh instance of the user's optimizer from: its class, param
+    group `group`'s hyperparameters, and its step without torch's step hooks (a probe's
+    step is not a user step)."""
+    cls = type(inner)
+    hyper = {k: v for k, v in inner.param_groups[group].items() if k != "params"}
+    return cls, hyper, getattr(cls.step, "__wrapped__", cls.step)
+
+
 def check_elementwise(inner: torch.optim.Optimizer) -> None:
     """Refuse an optimizer whose update is not elementwise (LBFGS, Adafactor, Muon, ...):
     on flat shards each rank steps 1-D pieces of parameters, which only gives the same
     result if the update of every element depends on that element alone. Tested, not
     looked up by name: a fresh instance with the first group's hyperparameters steps a 2-D
     tensor and, separately, its flattened halves, three times; the results must agree."""
-    cls = type(inner)
-    hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    cls, hyper, step = _fresh_parts(inner)
     device = inner.param_groups[0]["params"][0].device
     if device.type == "meta":  # born sharded: not materialised yet
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -79,7 +87,6 @@ def check_elementwise(inner: torch.optim.Optimizer) -> None:
         log.warning("cannot check that %s is elementwise (building it from a param group raised %s: %s); "
                     "zerodp assumes it is", cls.__name__, type(e).__name__, e)
         return
-    step = getattr(cls.step, "__wrapped__", cls.step)  # without torch's step hooks: not a user step
     why = None
     try:
         on_halves = cls([{"params": halves, **hyper}])  # 1-D pieces, as a shard holds them
@@ -104,13 +111,12 @@ def elementwise_state_dtypes(inner: torch.optim.Optimizer, group: int = 0) -> di
     of param group `group`, found by stepping a fresh instance with that group's
     hyperparameters once on a throwaway tensor; {} if it cannot be built that way (they
     are then allocated at the first step)."""
-    cls = type(inner)
-    hyper = {k: v for k, v in inner.param_groups[group].items() if k != "params"}
+    cls, hyper, step = _fresh_parts(inner, group)
     probe = torch.zeros(4, requires_grad=True)
     try:
         opt = cls([{"params": [probe], **hyper}])
         probe.grad = torch.zeros(4)
-        getattr(cls.step, "__wrapped__", cls.step)(opt)
+        step(opt)
     except Exception:  # noqa: BLE001 - a constructor that needs more than a param group
         return {}
     return {k: v.dtype for k, v in opt.state[probe].items()

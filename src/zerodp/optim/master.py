@@ -55,6 +55,11 @@ class MasterPlacement:
         return False
 
     @property
+    def streams(self) -> bool:
+        """Whether `prefetch` and `release` do anything (the states stream from a disk)."""
+        return False
+
+    @property
     def stages_gradients(self) -> bool:
         """Whether the reduced gradient is copied next to the master (`gradient_buffer`)."""
         return False

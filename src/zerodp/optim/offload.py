@@ -85,6 +85,10 @@ class DiskPlacement(HostPlacement):
         return False  # fp32: the parameters are the master; 16-bit runs allocate one anyway
 
     @property
+    def streams(self) -> bool:
+        return True
+
+    @property
     def stages_gradients(self) -> bool:
         return False
 

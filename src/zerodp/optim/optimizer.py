@@ -75,6 +75,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
                 self.shards.append(shards)
                 group["params"] = [t for s in shards for t in s.master_tensors]
+            self.homes = StateHomes(self._all_shards(), self.placement)  # the states' long-lived buffers
+            if disk:  # the states' files now, so that a full disk is found before the first step
+                self.homes.allocate_ahead(inner, self.shards)
         except Exception as e:  # noqa: BLE001 - raised on this rank by the agreement below
             if not offloaded:
                 raise
@@ -94,7 +97,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grads_prepared = False
         self._found_inf = False
         self._last_skipped = False
-        self.homes = StateHomes(self._all_shards(), self.placement)  # the states' long-lived buffers
         self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
         self._scaled_backwards = 0  # backward passes run through self.backward since the last step
         self._norm_this_step = None  # the global norm, when clip_grad_norm_ ran in this step
@@ -106,13 +108,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # included) run once per step in `step`, not once per bucket.
         step = type(inner).step
         self._inner_step_fn = step.__wrapped__ if getattr(step, "hooked", False) else step
-        if disk:  # the states' files now, so that a full disk is found before the first step
-            problem = None
-            try:
-                self.homes.allocate_ahead(inner, self.shards)
-            except Exception as e:  # noqa: BLE001
-                problem = e
-            self._raise_offload_failures(problem, "allocating the optimizer states in Config.offload_dir")
 
     def _raise_offload_failures(self, problem, what: str) -> None:
         """Raise on every rank if any failed to set up its offload directory; this rank's
@@ -332,22 +327,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         temporaries (Ψ/N elements each). Stepping `bucket_bytes` of master at a time keeps
         them bucket-sized. Each piece is stepped exactly once per step and the update is
         elementwise, so the result is the same as one call."""
-        groups, place = self.inner.param_groups, self.placement
+        groups, place, state = self.inner.param_groups, self.placement, self.inner.state
         everything = [g["params"] for g in groups]
         chunks = [(gi, chunk) for gi, params in enumerate(everything)
                   for chunk in runs_of_bytes(params, self.config.bucket_bytes)]
         try:
             for k, (gi, chunk) in enumerate(chunks):
-                if k + 1 < len(chunks):  # disk: read the next bucket while this one steps
-                    place.prefetch(self.homes.step_tensors(self.inner.state, chunks[k + 1][1]))
+                if place.streams and k + 1 < len(chunks):  # disk: read the next bucket while this one steps
+                    place.prefetch(self.homes.step_tensors(state, chunks[k + 1][1]))
                 for gj, g in enumerate(groups):
                     g["params"] = chunk if gj == gi else []
                 self._inner_step_fn(self.inner)
-                self.homes.move_in(self.inner.state, chunk, self._on_cpu)
-                if k > 0:  # disk: write back the bucket before, drop it from memory
-                    place.release(self.homes.step_tensors(self.inner.state, chunks[k - 1][1]))
-            if chunks:
-                place.release(self.homes.step_tensors(self.inner.state, chunks[-1][1]))
+                self.homes.move_in(state, chunk, self._on_cpu)
+                if place.streams and k > 0:  # disk: write back the bucket before, drop it from memory
+                    place.release(self.homes.step_tensors(state, chunks[k - 1][1]))
+            if place.streams and chunks:
+                place.release(self.homes.step_tensors(state, chunks[-1][1]))
         finally:
             for g, params in zip(groups, everything):
                 g["params"] = params
