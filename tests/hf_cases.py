@@ -268,6 +268,51 @@ def hf_user_path(rank, world_size):
     return out
 
 
+def hf_zeropp_and_offload(rank, world_size):
+    """The user path of hf_user_path (GPT-2 from a config, automatic units, HF's gradient
+    checkpointing, 2 micro-batches, bf16, stage 3) with hpZ, with all three ZeRO++ parts
+    (4 ranks as 2 nodes x 2) and with the optimizer offloaded to host and to disk, each
+    against the same run without them."""
+    import tempfile
+
+    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK")}
+    os.environ.update({"LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "GROUP_RANK": str(rank // 2)})
+    root = [tempfile.mkdtemp(prefix="zerodp-hf-offload-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(root, src=0)
+    variants = {"plain": {}, "hpz": {"hpz": True},
+                "zeropp": {"hpz": True, "quantize_weights": True, "quantize_grads": "int8"},
+                "host": {"offload_optimizer": "host"},
+                "disk": {"offload_optimizer": "disk", "offload_dir": os.path.join(root[0], "disk")}}
+    os.makedirs(variants["disk"]["offload_dir"], exist_ok=True)
+    runs = {}
+    try:
+        for name, fields in variants.items():
+            cfg = zerodp.Config(stage=3, mixed_precision="bf16", grad_accumulation_steps=2, **fields)
+            model, opt, losses, _, volumes = train_zerodp(with_checkpointing(gpt2), adamw, cfg, rank, steps=STEPS,
+                                                          micro_batches=2, loss_of=causal_loss_micro)
+            runs[name] = {"params": full_params(model), "losses": losses, "by_link": volumes[-1]["nbytes_by_link"],
+                          "checkpointing": model.is_gradient_checkpointing}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.distributed.barrier()
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(root[0], ignore_errors=True)
+    plain = runs["plain"]
+    return {name: {"same_params": all(torch.equal(r["params"][k], plain["params"][k]) for k in plain["params"]),
+                   "loss_gap": max(abs(a - b) / b for a, b in zip(r["losses"], plain["losses"])),
+                   "by_link": r["by_link"], "checkpointing": r["checkpointing"]}
+            for name, r in runs.items()}
+
+
 def hf_all(rank, world_size):
     """Both grids in one spawned world (spawning and importing transformers is the slow part)."""
-    return {"grid": hf_world(rank, world_size), "user": hf_user_path(rank, world_size)}
+    out = {"grid": hf_world(rank, world_size), "user": hf_user_path(rank, world_size)}
+    if world_size == 4:
+        out["zeropp_offload"] = hf_zeropp_and_offload(rank, world_size)
+    return out
