@@ -40,18 +40,23 @@ def offload_grid(rank: int, world_size: int) -> dict:
     for stage, precision, name in grid:
         fn = OPTIMIZERS[name]
         runs = {}
-        for place in ("none", "host", "disk"):
+        # Stage 3 also with the parameter and gradient shards beside the optimizer states.
+        places = ("none", "host", "disk") + (("host+params", "disk+params") if stage == 3 else ())
+        for place in places:
+            kind = place.split("+")[0]
             cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                                unit_min_params=10, offload_optimizer=place,
-                                offload_dir=os.path.join(root, f"{stage}{precision}{name}"))
-            if place == "disk":
+                                unit_min_params=10, offload_optimizer=kind,
+                                offload_params=kind if place.endswith("+params") else "none",
+                                offload_dir=os.path.join(root, f"{stage}{precision}{name}{place}"))
+            if kind == "disk":
                 os.makedirs(cfg.offload_dir, exist_ok=True)
             model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
             runs[place] = (model, opt, losses, opt.memory_report())
         ref, ref_losses, _ = train_reference(Net, fn, runs["host"][1].config.compute_dtype, rank)
         device_params = _params(runs["none"][0])
-        for place in ("host", "disk"):
+        for place in places[1:]:
             model, opt, losses, rep = runs[place]
+            files = getattr(opt.placement, "files", None)
             with zerodp.gathered_parameters(model):
                 diff = max_rel_diff(model, ref)
             out[(stage, precision, name, place)] = {
@@ -61,7 +66,11 @@ def offload_grid(rank: int, world_size: int) -> dict:
                 "host": rep.host_offloaded, "disk": rep.disk_offloaded,
                 "device_offloaded": runs["none"][3].host_offloaded + runs["none"][3].disk_offloaded,
                 "master": rep.master, "states": rep.optimizer_states, "shard_numel": _shard_numel(opt),
-                "state_bytes": STATE_BYTES[name]}
+                "state_bytes": STATE_BYTES[name], "model_state": rep.model_state,
+                "padded_shard": rep.padded_numel // rep.world_size,
+                "units": len(opt.stage3.units) if opt.stage3 is not None else 0,
+                # What the files take on disk, from the kernel's side: their sizes.
+                "file_bytes": sum(os.fstat(fd).st_size for *_, fd in files.regions) if files is not None else 0}
     # Accumulation (2 micro-batches) and clipping, fp32 SGD, against DDP: host at stage 2, disk at 3.
     for stage, place in ((2, "host"), (3, "disk")):
         ref, _, ref_norms = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank, clip=0.05)
@@ -87,8 +96,9 @@ def offload_grid(rank: int, world_size: int) -> dict:
 def bad_offload_dirs(rank: int, root: str) -> dict:
     """A missing, a read-only, a full and a shared offload_dir: a clear error on every rank at
     initialize, before any step. Only rank 1's disk is full."""
-    def build(directory):
-        cfg = zerodp.Config(stage=3, unit_min_params=10, offload_optimizer="disk", offload_dir=directory)
+    def build(directory, params="none"):
+        cfg = zerodp.Config(stage=3, unit_min_params=10, offload_optimizer="disk", offload_params=params,
+                            offload_dir=directory)
         return zerodp.initialize(Net(), OPTIMIZERS["adamw"], cfg)
     out = {}
     good = os.path.join(root, "good")
@@ -106,6 +116,8 @@ def bad_offload_dirs(rank: int, root: str) -> dict:
     os.posix_fallocate = full if rank == 1 else real
     try:
         out["full"] = error_of(lambda: build(os.path.join(root, "good")))
+        # The parameter shards' files are reserved before any unit is built.
+        out["full_params"] = error_of(lambda: build(os.path.join(root, "good"), params="disk"))
     finally:
         os.posix_fallocate = real
     kept = build(os.path.join(root, "good"))  # held: a second run on the same directory
@@ -136,23 +148,26 @@ def checkpoint_both_ways(rank: int, world_size: int) -> dict:
     as going on uninterrupted."""
     out = {}
     root = shared_tmp(rank, world_size)
-    for saved, loaded in (("host", "none"), ("none", "host"), ("disk", "none"), ("none", "disk")):
-        for stage in (1, 3):
-            def build(place):
-                torch.manual_seed(0)
-                directory = os.path.join(root, f"{saved}-{loaded}-{stage}-{place}")
-                os.makedirs(directory, exist_ok=True)
-                cfg = zerodp.Config(stage=stage, mixed_precision="bf16", unit_min_params=10, offload_optimizer=place,
-                                    offload_dir=directory)
-                return zerodp.initialize(Net(), OPTIMIZERS["adamw"], cfg)
-            model, opt = build(saved)
-            _steps(model, opt, 2, 0, rank)
-            path = os.path.join(root, f"ckpt-{saved}-{stage}-{world_size}")
-            zerodp.save(path, model, opt)
-            on = _steps(model, opt, 2, 2, rank)
-            model2, opt2 = build(loaded)
-            zerodp.load(path, model2, opt2)
-            out[(saved, loaded, stage)] = {"resumed": _steps(model2, opt2, 2, 2, rank) == on}
+    pairs = [(pair, stage) for pair in (("host", "none"), ("none", "host"), ("disk", "none"), ("none", "disk"))
+             for stage in (1, 3)] + [(("disk+params", "none"), 3), (("none", "host+params"), 3)]
+    for (saved, loaded), stage in pairs:
+        def build(place):
+            torch.manual_seed(0)
+            directory = os.path.join(root, f"{saved}-{loaded}-{stage}-{place}")
+            os.makedirs(directory, exist_ok=True)
+            kind = place.split("+")[0]
+            cfg = zerodp.Config(stage=stage, mixed_precision="bf16", unit_min_params=10, offload_optimizer=kind,
+                                offload_params=kind if place.endswith("+params") else "none",
+                                offload_dir=directory)
+            return zerodp.initialize(Net(), OPTIMIZERS["adamw"], cfg)
+        model, opt = build(saved)
+        _steps(model, opt, 2, 0, rank)
+        path = os.path.join(root, f"ckpt-{saved}-{loaded}-{stage}-{world_size}")
+        zerodp.save(path, model, opt)
+        on = _steps(model, opt, 2, 2, rank)
+        model2, opt2 = build(loaded)
+        zerodp.load(path, model2, opt2)
+        out[(saved, loaded, stage)] = {"resumed": _steps(model2, opt2, 2, 2, rank) == on}
     if world_size > 1:
         dist.barrier()
     if rank == 0:

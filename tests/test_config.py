@@ -12,7 +12,8 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "loss_scale_growth_interval", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
           "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
-          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_dir"}
+          "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_params",
+          "offload_dir"}
 
 
 def test_fields_are_pinned():
@@ -50,6 +51,11 @@ BAD = [
     ({"offload_optimizer": "nvme"}, "offload_optimizer", "'host'"),
     ({"offload_optimizer": "host", "stage": 0}, "offload_optimizer", "use stage 1, 2 or 3"),
     ({"offload_dir": None, "offload_optimizer": "disk"}, "offload_dir", "give a path"),
+    ({"offload_params": "ssd", "stage": 3, "offload_optimizer": "host"}, "offload_params", "'disk'"),
+    ({"offload_params": "host", "stage": 2, "offload_optimizer": "host"}, "offload_params", "use stage 3"),
+    ({"offload_params": "host", "stage": 3}, "offload_params", "offload_optimizer to 'host' or 'disk'"),
+    ({"offload_dir": None, "offload_params": "disk", "stage": 3, "offload_optimizer": "host"}, "offload_dir",
+     "give a path"),
     ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
 ]
 

@@ -173,6 +173,9 @@ def test_the_ledger_counts_what_each_placement_holds(world):
         stage, precision, opt, place = key
         owned, states = case["shard_numel"], case["state_bytes"] * case["shard_numel"]
         assert case["device_offloaded"] == 0, (n, key)
+        if place.endswith("+params"):
+            _check_params_offloaded(n, key, case)
+            continue
         if place == "host":
             # The fp32 master, the fp32 gradient copied down beside it and the states, 4 + 4 + K
             # bytes per owned element, even in fp32 (the parameters stay on the device).
@@ -181,6 +184,7 @@ def test_the_ledger_counts_what_each_placement_holds(world):
             # In files: the states, and under bf16 the fp32 master (in fp32 the parameters are it).
             master = 4 * owned if precision == "bf16" else 0
             assert case["disk"] == master + states and case["host"] == 0, (n, key, case)
+            assert case["file_bytes"] == case["disk"], (n, key, case)  # the files' own sizes
         assert case["master"] == (0 if place == "disk" and precision == "fp32" else 4 * owned), (n, key)
         # `zerodp estimate --offload`'s model of the same rank (Ψ/N = what this rank owns).
         from zerodp.memory.estimator import placement_bytes
@@ -189,6 +193,29 @@ def test_the_ledger_counts_what_each_placement_holds(world):
         k = case["state_bytes"] + (4 if precision == "bf16" else 0)
         model = placement_bytes(owned * n, n, stage, place, k=k, param_bytes=pbytes, grad_bytes=pbytes)
         assert (model["host"], model["disk"]) == (case["host"], case["disk"]), (n, key, model, case)
+
+
+def _check_params_offloaded(n, key, case):
+    """Config.offload_params: every byte of the model states lies where the placement is,
+    counted by the ledger, by the estimator and (disk) by the files' sizes."""
+    from zerodp.memory.estimator import placement_bytes
+
+    stage, precision, opt, place = key
+    kind, other = (("host", "disk") if place.startswith("host") else ("disk", "host"))
+    assert case["model_state"] == case[kind] and case[other] == 0, (n, key, case)
+    pbytes = 4 if precision == "fp32" else 2
+    k = case["state_bytes"] + (4 if precision == "bf16" else 0)
+    owned = case["shard_numel"]
+    model = placement_bytes(owned * n, n, stage, kind, k=k, param_bytes=pbytes, grad_bytes=pbytes,
+                            offload_params=kind)
+    assert model["device"] == 0, (n, key, model)
+    # The estimator counts owned elements; the shards also hold the layout's padding, and on
+    # disk each unit's two shards are rounded up to whole pages (at most a page each).
+    extra = case[kind] - model[kind] - 2 * pbytes * (case["padded_shard"] - owned)
+    slack = 2 * case["units"] * 4096 if kind == "disk" else 0
+    assert 0 <= extra <= slack, (n, key, case, model)
+    if kind == "disk":
+        assert case["file_bytes"] == case["disk"], (n, key, case)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -206,7 +233,8 @@ def test_checkpoints_move_between_offloaded_and_not_bit_for_bit(world):
             continue  # see offload_cases.offload_grid
         for (saved, loaded, stage), case in r["offload"]["checkpoint"].items():
             assert case["resumed"], (n, saved, loaded, stage)
-        assert len(r["offload"]["checkpoint"]) == 8  # host and disk, each way, stages 1 and 3
+        # host and disk, each way, stages 1 and 3; with the parameter shards too at stage 3
+        assert len(r["offload"]["checkpoint"]) == 10
 
 
 def test_a_bad_offload_dir_fails_on_every_rank_at_initialize(world):
@@ -218,6 +246,8 @@ def test_a_bad_offload_dir_fails_on_every_rank_at_initialize(world):
         # Only rank 1's disk is full: both ranks raise, rank 0 naming rank 1's problem.
         assert "does not exist" in bad["missing"], (rank, bad["missing"])
         assert "is full" in bad["full"] and "bytes are needed" in bad["full"], (rank, bad["full"])
+        assert "is full" in bad["full_params"], (rank, bad["full_params"])
+        assert rank == 1 or "parameter shards" in bad["full_params"], bad["full_params"]
         if bad["read_only"] != "root ignores permissions":
             assert "is not writable" in bad["read_only"], (rank, bad["read_only"])
         assert "in use by another run" in bad["shared"] and bad["kept_alive"], (rank, bad["shared"])

@@ -18,7 +18,8 @@ import torch.nn as nn
 from .config import Config, ConfigError
 from .distributed import Comm, Topology
 from .distributed.topology import ranks_per_node
-from .distributed.agreement import check_ranks_agree, describe
+from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
+from .memory.diskmem import OffloadDir
 from .optim import ZeroOptimizer
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
 from .schedule.reducer import GradReducer
@@ -83,6 +84,25 @@ def _resolve_nodes(config: Config, process_group) -> Config:
     return dataclasses.replace(config, replicate_size=world // local)
 
 
+def _param_files(config: Config, comm: Comm) -> Optional[OffloadDir]:
+    """Config.offload_params="disk": the rank's offload directory, opened before the units
+    are built (the optimizer's states go in it too); every rank raises if any cannot."""
+    if config.offload_params != "disk":
+        return None
+    files, problem = None, None
+    try:
+        files = OffloadDir(config.offload_dir, comm.rank)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        problem = e
+    try:
+        raise_if_any_failed(comm, problem, "opening Config.offload_dir", "init")
+    except Exception:
+        if files is not None:
+            files.close()
+        raise
+    return files
+
+
 def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
                process_group: Optional[Any] = None, **optimizer_kwargs) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state across the data-parallel ranks; returns (model, optimizer).
@@ -128,10 +148,16 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         comm = Comm(topology=comm.topology.with_node_axes(), ledger=comm.ledger)
 
     if config.stage == 3:
-        sharded = shard_units(model, named, group_indices, comm, config)
-        schedule = Stage3Engine(sharded.units, comm, config, sharded.pool, sharded.secondary_pool)
-        opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
-                            group_indices=group_indices, stage3=schedule)
+        files = _param_files(config, comm)
+        try:
+            sharded = shard_units(model, named, group_indices, comm, config, files)
+            schedule = Stage3Engine(sharded.units, comm, config, sharded.pool, sharded.secondary_pool)
+            opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
+                                group_indices=group_indices, stage3=schedule, files=files)
+        except BaseException:
+            if files is not None:  # the directory can be used again at once
+                files.close()
+            raise
         install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params)
         log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(sharded.units),
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))

@@ -183,13 +183,21 @@ def _estimate_placed(args, model) -> int:
     from zerodp.memory import estimator as est
 
     kw = dict(k=args.k, param_bytes=args.param_bytes, grad_bytes=args.grad_bytes)
+    stages = [s for s in args.stages if s > 0]
+    if args.offload_params is not None:
+        if args.offload is None:
+            raise UsageError("--offload-params needs --offload host|disk (the optimizer steps where the shards are)")
+        kw["offload_params"] = args.offload_params
+        stages = [3]  # only stage 3 keeps parameter shards of its own
     limits = {"device": args.device_memory, "host": args.host_memory, "disk": args.disk}
-    print(f"offload_optimizer={args.offload!r}: GB per rank (1e9 bytes), K={args.k:g}, "
+    print(f"offload_optimizer={args.offload!r}"
+          + (f", offload_params={args.offload_params!r}" if args.offload_params else "")
+          + f": GB per rank (1e9 bytes), K={args.k:g}, "
           f"{args.param_bytes:g}-byte parameters" + (f", {model[0]} ({model[1]:,} parameters)" if model else ""))
     print("| N | stage | device | host | disk | largest model within the limits |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in args.world_sizes:
-        for stage in [s for s in args.stages if s > 0]:
+        for stage in stages:
             b = est.placement_bytes(model[1] if model else 0, n, stage, args.offload, **kw)
             try:
                 fits = f"{est.largest_model_placed(n, stage, args.offload, limits, **kw) / 1e9:.2f}B"
@@ -203,7 +211,7 @@ def _estimate_placed(args, model) -> int:
 def cmd_estimate(args: argparse.Namespace, argv: list[str]) -> int:
     from zerodp.memory import estimator as est
 
-    if args.offload is not None:
+    if args.offload is not None or args.offload_params is not None:
         return _estimate_placed(args, _resolve_model(args))
     if args.paper_table_1:
         print("ZeRO (arXiv 1910.02054) Table 1: model-state GB per device, mixed-precision Adam (K=12)")
@@ -356,6 +364,8 @@ def build_parser() -> Parser:
     e.add_argument("--paper-table-1", action="store_true", help="print the paper's Table 1 and exit")
     e.add_argument("--offload", choices=("host", "disk"), default=None,
                    help="with Config.offload_optimizer: bytes per rank on the device, the host and the disk")
+    e.add_argument("--offload-params", choices=("host", "disk"), default=None,
+                   help="stage 3 with Config.offload_params: the parameter and gradient shards there too")
     e.add_argument("--host-memory", type=parse_size, help="--offload: host bytes per rank, e.g. 256GB")
     e.add_argument("--disk", type=parse_size, help="--offload disk: disk bytes per rank, e.g. 2TB")
 

@@ -155,8 +155,14 @@ class Config:
     still happen, so the path is the one a GPU run takes. "disk" (ZeRO-Infinity; CPU runs):
     in files under `offload_dir`, streamed a bucket at a time."""
 
+    offload_params: str = "none"
+    """Stage 3, with `offload_optimizer` on: where each unit's parameter shard and gradient
+    shard live between uses. "host" (pinned on CUDA) or "disk" (files under `offload_dir`,
+    ZeRO-Infinity): each gather first copies the shard to the device, each reduced gradient
+    chunk is copied back (docs/offload.md). "none": on the device."""
+
     offload_dir: Union[str, None] = None
-    """offload_optimizer="disk": an existing, writable directory on a local disk, one per
+    """offload_optimizer or offload_params "disk": an existing, writable directory on a local disk, one per
     run (each rank uses `rank{r}/` in it); its files are scratch, deleted at the end."""
 
     collective_timeout_s: float = 300.0
@@ -203,8 +209,17 @@ class Config:
         self._check_zeropp()
         if self.offload_optimizer not in OFFLOAD_PLACES:
             raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
-        if self.offload_optimizer == "disk" and not isinstance(self.offload_dir, (str, os.PathLike)):
-            raise _bad("offload_dir", self.offload_dir, 'offload_optimizer="disk" needs the directory for its '
+        if self.offload_params not in OFFLOAD_PLACES:
+            raise _bad("offload_params", self.offload_params, f"use one of {list(OFFLOAD_PLACES)}")
+        if self.offload_params != "none" and self.stage != 3:
+            raise _bad("offload_params", self.offload_params, f"only stage 3 keeps parameter shards of its own "
+                                                              f"(stage={self.stage}): use stage 3")
+        if self.offload_params != "none" and self.offload_optimizer == "none":
+            raise _bad("offload_params", self.offload_params, "the optimizer steps where the shards are: set "
+                                                              "offload_optimizer to 'host' or 'disk' as well")
+        if "disk" in (self.offload_optimizer, self.offload_params) and not isinstance(self.offload_dir,
+                                                                                     (str, os.PathLike)):
+            raise _bad("offload_dir", self.offload_dir, 'offload "disk" needs the directory for its '
                                                         'files: give a path')
         if isinstance(self.offload_dir, os.PathLike):  # kept as text: the Config is saved as JSON
             object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))

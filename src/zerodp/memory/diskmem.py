@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-__all__ = ["OffloadDir"]
+__all__ = ["Arena", "OffloadDir"]
 
 _MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4
 _PAGE = mmap.PAGESIZE
@@ -122,6 +122,11 @@ class OffloadDir:
         self.nbytes += nbytes
         return t
 
+    def arena(self, nbytes: int) -> "Arena":
+        """One file of `nbytes`, allocated now, to be cut into buffers (`Arena.take`): what
+        is reserved at once fails at once when the disk cannot hold it."""
+        return Arena(self.empty(nbytes, torch.uint8))
+
     def _ranges(self, tensors):
         """(mapping, fd, page-aligned offset, length) of each tensor that lies in a file."""
         for t in tensors:
@@ -158,6 +163,27 @@ class OffloadDir:
     def owns(self, t: torch.Tensor) -> bool:
         p = t.data_ptr()
         return any(base <= p < base + n for base, n, _, _ in self.regions)
+
+
+class Arena:
+    """Page-aligned buffers cut, one after another, from one file-backed tensor."""
+
+    def __init__(self, space: torch.Tensor):
+        self.space, self.used = space, 0
+
+    @staticmethod
+    def nbytes_for(sizes) -> int:
+        """Bytes an arena needs for buffers of these (numel, dtype) sizes."""
+        return sum(-(-numel * dtype.itemsize // _PAGE) * _PAGE for numel, dtype in sizes)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self.used + nbytes > self.space.numel():
+            raise RuntimeError(f"offload arena of {self.space.numel():,} bytes has no room for {nbytes:,} more "
+                               f"({self.used:,} used): the reservation undercounted")
+        out = self.space[self.used: self.used + nbytes].view(dtype)
+        self.used += -(-nbytes // _PAGE) * _PAGE
+        return out
 
 
 def _alive(pid: int) -> bool:

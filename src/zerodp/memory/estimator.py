@@ -105,35 +105,47 @@ PLACES = ("device", "host", "disk")
 
 
 def placement_bytes(num_params: int, world_size: int, stage: int, offload: str = "none", k: float = 12,
-                    param_bytes: float = 2, grad_bytes: float = 2) -> dict:
+                    param_bytes: float = 2, grad_bytes: float = 2, offload_params: str = "none") -> dict:
     """Bytes per rank in each place (device, host, disk) with `Config.offload_optimizer`
     = `offload` (docs/offload.md), stages 1-3. K holds the fp32 master (4 bytes) when the
     parameters are 16-bit, and the optimizer's states. "host": the device keeps the
     parameters and gradients of the stage; the host the fp32 master (a copy even in fp32),
     an fp32 gradient copy and the states: (4 + 4 + K - master) Ψ/N. "disk" (a CPU run:
     device = host memory): the parameters and gradients in memory, the master (16-bit
-    runs; in fp32 the parameters are it) and the states on disk: K Ψ/N."""
+    runs; in fp32 the parameters are it) and the states on disk: K Ψ/N.
+    `offload_params` (stage 3, Config.offload_params): the parameter and gradient shards,
+    (P + G) Ψ/N, leave the device for that place; fp32 shards off the device are their own
+    master, so the host placement then keeps no fp32 copy of them (K Ψ/N, not (8 + K) Ψ/N)."""
     _check(num_params, world_size, stage, k, param_bytes, grad_bytes)
-    if offload not in ("none", "host", "disk"):
-        raise ValueError(f"offload={offload!r}: use 'none', 'host' or 'disk'")
+    if offload not in ("none", "host", "disk") or offload_params not in ("none", "host", "disk"):
+        raise ValueError(f"offload={offload!r}, offload_params={offload_params!r}: use 'none', 'host' or 'disk'")
+    if offload_params != "none" and (stage != 3 or offload == "none"):
+        raise ValueError("offload_params needs stage 3 and an offloaded optimizer (offload='host' or 'disk')")
     psi, n = Fraction(num_params), world_size
     if offload == "none":
         return {"device": float(psi * _bytes_per_param(n, stage, k, param_bytes, grad_bytes)), "host": 0.0,
                 "disk": 0.0}
     if stage == 0:
         raise ValueError("offload needs stage 1, 2 or 3 (stage 0 keeps no shard of its own)")
-    on_device = psi * _bytes_per_param(n, stage, 0, param_bytes, grad_bytes)  # the stage without K
+    out = {"device": psi * _bytes_per_param(n, stage, 0, param_bytes, grad_bytes), "host": Fraction(0),
+           "disk": Fraction(0)}  # the device: the stage without K
+    if offload_params != "none":
+        moved = psi * (Fraction(param_bytes) + Fraction(grad_bytes)) / n
+        out["device"] -= moved
+        out[offload_params] += moved
     master = 4 if param_bytes < 4 else 0
-    if offload == "host":
-        return {"device": float(on_device), "host": float(psi * (8 + Fraction(k) - master) / n), "disk": 0.0}
-    return {"device": float(on_device), "host": 0.0, "disk": float(psi * Fraction(k) / n)}
+    if offload == "host":  # + an fp32 master and gradient copy, unless fp32 shards are already off the device
+        out["host"] += psi * (Fraction(k) + (8 - master if master or offload_params == "none" else 0)) / n
+    else:
+        out["disk"] += psi * Fraction(k) / n
+    return {place: float(v) for place, v in out.items()}
 
 
 def largest_model_placed(world_size: int, stage: int, offload: str, limits: dict, k: float = 12,
-                         param_bytes: float = 2, grad_bytes: float = 2) -> int:
+                         param_bytes: float = 2, grad_bytes: float = 2, offload_params: str = "none") -> int:
     """Largest Ψ whose bytes fit every place's limit in `limits` (bytes per rank by place;
     a place without a limit is unbounded)."""
-    per = placement_bytes(10**12, world_size, stage, offload, k, param_bytes, grad_bytes)
+    per = placement_bytes(10**12, world_size, stage, offload, k, param_bytes, grad_bytes, offload_params)
     bound = [Fraction(limits[place]) * 10**12 / Fraction(per[place]) for place in PLACES
              if per[place] > 0 and limits.get(place) is not None]
     if not bound:

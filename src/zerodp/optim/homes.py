@@ -67,8 +67,8 @@ class StateHomes:
 
     @staticmethod
     def step_tensors(state: dict, chunk: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A bucket's master tensors and their per-element states."""
-        return [*chunk, *(v for t in chunk for v in state.get(t, {}).values() if is_elementwise_state(v, t))]
+        """A bucket's master tensors, their gradients and their per-element states."""
+        return [*chunk, *(t.grad for t in chunk if t.grad is not None), *(v for t in chunk for v in state.get(t, {}).values() if is_elementwise_state(v, t))]
 
     def forget(self) -> None:
         """The optimizer's states were dropped: the next first step moves them in again."""

@@ -32,6 +32,8 @@ class ShardStorage(Protocol):
     def publish(self, phase: str = "step") -> None: ...
     def zero_grad(self) -> None: ...
     def held_tensors(self) -> dict: ...
+    def offloaded_tensors(self) -> dict: ...  # placement ("host"/"disk") -> tensors kept there
+    offloaded: bool  # the parameter shard itself lives off the device (Config.offload_params)
     # For state dicts (optim/state_dict.py): the layout's slots that are this storage's,
     # their names, this rank on the shard axis, and the shard axis's collectives.
     layout: object
@@ -106,8 +108,9 @@ class MasterShard:
     the owned parameter pieces are their own master (views, no copy)."""
 
     def __init__(self, storage: ShardStorage, full_precision: bool, placement: MasterPlacement):
-        # `full_precision`: the parameters are the master (fp32, kept beside them).
-        self.full_precision = full_precision and not placement.separate_master
+        # `full_precision`: the parameters are the master (fp32, kept beside them, or
+        # offloaded with them: Config.offload_params puts fp32 shards where the master goes).
+        self.full_precision = full_precision and (not placement.separate_master or storage.offloaded)
         self.storage, self.placement = storage, placement
         self.grad_staging: list[torch.Tensor] = []  # the gradient beside an offloaded master
         if self.full_precision:

@@ -48,6 +48,8 @@ class HostPlacement(MasterPlacement):
         return hostmem.empty(numel, torch.float32, torch.device("cpu"))
 
     def fp32_grad(self, grad: torch.Tensor, master: torch.Tensor, staging=None) -> torch.Tensor:
+        if staging is None:  # fp32 shards offloaded with the master: the gradient is there already
+            return MasterPlacement.fp32_grad(self, grad, master)
         staging.copy_(grad.reshape(-1), non_blocking=self.pinned)  # upcast on the way if 16-bit
         return staging.view(master.shape)
 
@@ -114,13 +116,15 @@ class DiskPlacement(HostPlacement):
         return master.detach()  # safetensors streams it from the mapping
 
 
-def placement_for(offload: str, device: torch.device, offload_dir=None, rank: int = 0) -> MasterPlacement:
-    """The placement `Config.offload_optimizer` names, for parameters on `device`."""
+def placement_for(offload: str, device: torch.device, offload_dir=None, rank: int = 0,
+                  files: OffloadDir = None) -> MasterPlacement:
+    """The placement `Config.offload_optimizer` names, for parameters on `device`; on disk,
+    in `files` when the parameter shards opened the directory already."""
     if offload == "host":
         return HostPlacement(pinned=device.type == "cuda")
     if offload == "disk":
         if device.type != "cpu":
             raise NotImplementedError(f"Config.offload_optimizer='disk' runs on CPU only so far; the parameters are "
                                       f"on {device}: use offload_optimizer='host' there")
-        return DiskPlacement(files=OffloadDir(offload_dir, rank))
+        return DiskPlacement(files=files if files is not None else OffloadDir(offload_dir, rank))
     return MasterPlacement()

@@ -51,7 +51,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     inner step (`_sync_hyperparameters`), so the user's groups are the only ones to edit."""
 
     def __init__(self, inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]],
-                 comm: Comm, config: Config, grad_sync, trainable: list, group_indices: list, stage3=None):
+                 comm: Comm, config: Config, grad_sync, trainable: list, group_indices: list, stage3=None,
+                 files=None):
         self.inner, self.comm, self.config = inner, comm, config
         self.trainable = trainable  # (name, parameter) of everything sharded, as at initialize
         self.param_groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -69,7 +70,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         disk, offloaded = config.offload_optimizer == "disk", config.offload_optimizer != "none"
         problem = None
         try:
-            self.placement = placement_for(config.offload_optimizer, comm.device, config.offload_dir, comm.rank)
+            self.placement = placement_for(config.offload_optimizer, comm.device, config.offload_dir, comm.rank,
+                                           files)
             self.shards: list[list[MasterShard]] = []
             for group, group_storages in zip(inner.param_groups, storages):
                 shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
@@ -470,6 +472,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # What the placement keeps off the device: in host memory ([Note: host placement]) or
         # in files ([Note: disk placement]), counted from the same storages.
         offloaded = Census()
+        for st in storages:  # Config.offload_params: the shards themselves
+            for kind, tensors in st.offloaded_tensors().items():
+                offloaded.claim(kind, tensors)
         if self.placement.kind in ("host", "disk"):
             files = getattr(self.placement, "files", None)
             kept = [*(m for s in self._all_shards() for m in s.master_tensors),

@@ -73,7 +73,7 @@ class Stage3Engine(BackwardSchedule):
         self.reduce_order = list(reversed(range(self.root))) + [self.root]
         self._order_guessed = False
         self.gathered_peak_nbytes = 0
-        self._on_cpu = units[-1].shard.device.type == "cpu"
+        self._on_cpu = units[-1].device.type == "cpu"
         for ui, unit in enumerate(units):
             unit.module.register_forward_pre_hook(self._make_pre_forward(ui))
             # always_call: the root's hook also ends a forward that raised (saved-tensor hooks).
@@ -300,6 +300,7 @@ class Stage3Engine(BackwardSchedule):
         self._launch_reductions(flush=True)
         if self.reduces_now:
             self._wait_all()
+            self.units[-1].home.synchronize()  # offloaded gradient shards: their copies landed
             self.reduce_order = self.adopt_recorded_order(self.reduce_order)
         if self.forward_order:
             self._recording = False

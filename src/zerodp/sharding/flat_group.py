@@ -89,6 +89,11 @@ class FlatParamGroup:
             for p in self.params:
                 p.grad = None
 
+    offloaded = False  # the flat buffers live beside the computation ([Note: shard homes] is stage 3's)
+
+    def offloaded_tensors(self) -> dict:
+        return {}
+
     def held_tensors(self) -> dict:
         """What this group holds, by ledger category ([Note: measured ledger] in memory/ledger.py);
         autograd's own `.grad` of a parameter is an unsharded gradient held until its

@@ -28,6 +28,7 @@ from ..distributed.collectives import Collectives
 from ..memory import hostmem
 from ..memory.layout import FlatLayout, Piece
 from ..memory.pool import BufferPool
+from .shard_home import ShardHome
 
 __all__ = ["FlatUnit", "SecondaryPartition", "UnitGroupView", "UnitState"]
 
@@ -57,7 +58,7 @@ class FlatUnit:
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
                  sync_from_rank0: bool = True, transfer: Optional[Collectives] = None,
-                 secondary: Optional[SecondaryPartition] = None):
+                 secondary: Optional[SecondaryPartition] = None, home: Optional[ShardHome] = None):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         # Sharded over the mesh's shard axis; gradients averaged over every data-parallel rank.
         # `collectives` move exact values (checkpoints, state dicts); `transfer` is what
@@ -85,10 +86,12 @@ class FlatUnit:
         self.init_fingerprint = None if sync_from_rank0 else (
             float(full_fp32.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(full_fp32, dtype=torch.float64)))
         own = self.own_chunk(full_fp32)
+        # Where the shards live between uses: [Note: shard homes] in shard_home.py.
+        self.home = home if home is not None else ShardHome()
+        self.device = device  # where the unit computes: gathers and reductions happen here
         # Long-lived, so outside the C heap: [Note: long-lived host buffers] in memory/hostmem.py.
         self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
-        self.shard = hostmem.copy_of(own, compute_dtype)
-        device = self.shard.device
+        self.shard = self.home.copy_of(own, compute_dtype)
         self.full: Optional[torch.Tensor] = None  # the gathered buffer, from the pool, while in use
         self.full_nbytes = self.layout.padded_numel * self.shard.element_size()
         # Allocated at the first backward: a model that is only built or evaluated holds none.
@@ -101,6 +104,7 @@ class FlatUnit:
         # gradients are copied in when it is done instead (`accumulate_grads`).
         self.outer = False
         self.work = None
+        self._staged: Optional[torch.Tensor] = None  # an offloaded shard's device copy, while gathering
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
         self.state = UnitState.SHARDED
@@ -114,7 +118,7 @@ class FlatUnit:
         if self.empty:
             self.state = UnitState.GATHERED
             return
-        self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.shard.device)
+        self.full = self.pool.get(self.layout.padded_numel, self.compute_dtype, self.device)
         # Whether `full` will hold the stored values exactly (not a quantized transfer's).
         self.exact = exact or self.transfer is self.collectives or (self.secondary_shard is not None
                                                                      and phase == "backward" and self.exact)
@@ -123,7 +127,8 @@ class FlatUnit:
                                                               async_op=async_op, label=f"unit {self.name}")
         else:
             strategy = self.collectives if exact else self.transfer
-            self.work = strategy.all_gather(self.full, self.shard, phase, async_op=async_op, label=f"unit {self.name}")
+            self.work = strategy.all_gather(self.full, self.gather_source(), phase, async_op=async_op,
+                                            label=f"unit {self.name}")
         self.state = UnitState.GATHERING
 
     def make_exact(self) -> None:
@@ -132,14 +137,31 @@ class FlatUnit:
         if self.state is UnitState.SHARDED or self.empty or self.exact:
             return
         self.wait()
-        self.collectives.all_gather(self.full, self.shard, "forward", label=f"unit {self.name}")
+        self.collectives.all_gather(self.full, self.gather_source(), "forward", label=f"unit {self.name}")
+        self.release_staged()
         self.exact = True
+
+    def gather_source(self) -> torch.Tensor:
+        """The shard as a collective's input: itself on the device; an offloaded one copied
+        into a pooled device buffer first (given back by `release_staged`)."""
+        if not self.home.offloaded:
+            return self.shard
+        if self._staged is None:
+            self._staged = self.pool.get(self.shard.numel(), self.shard.dtype, self.device)
+            self.home.stage_in(self.shard, self._staged)
+        return self._staged
+
+    def release_staged(self) -> None:
+        if self._staged is not None:
+            self.pool.put(self._staged)
+            self._staged = None
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
             if self.work is not None:
                 self.work.wait()
                 self.work = None
+            self.release_staged()
             with torch.no_grad():
                 for p, view in zip(self.params, self.layout.views(self.full)):
                     p.data = view
@@ -220,19 +242,24 @@ class FlatUnit:
         if self.grad_full is None:  # no parameter of the unit was used: its gradient is zero
             self._new_grad_full()
         self.grad_full.div_(self.data_size)  # average, dividing first as DDP does
-        out = self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
+        out = self.reduced_chunk(accumulate)
         return self.transfer.reduce_scatter(out, self.grad_full, "backward", async_op=async_op,
                                             label=f"unit {self.name}")
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
-        if accumulate and self.grad_full is not None:
+        if self.grad_full is not None and self.home.offloaded:  # [Note: shard homes]
+            self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full), add=accumulate)
+        elif accumulate and self.grad_full is not None:
             self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
         self.free_grads()
 
     def reduced_chunk(self, accumulate: bool) -> torch.Tensor:
-        """Where the last reduce-scatter put this rank's chunk, before `finish_reduce`."""
-        return self.own_chunk(self.grad_full) if accumulate else self.ensure_grad_shard()
+        """Where the last reduce-scatter put this rank's chunk, before `finish_reduce`: the
+        gradient shard itself, unless it accumulates or lives off the device."""
+        if accumulate or self.home.offloaded:
+            return self.own_chunk(self.grad_full)
+        return self.ensure_grad_shard()
 
     def own_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a full, flat buffer of the unit."""
@@ -247,11 +274,16 @@ class FlatUnit:
 
     def ensure_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = hostmem.zeros(self.layout.shard_numel, self.reduce_dtype, self.shard.device)
+            self.grad_shard = self.home.empty(self.layout.shard_numel, self.reduce_dtype, self.device, grads=True)
+            self.home.zero_(self.grad_shard)
         return self.grad_shard
 
+    def zero_grad_shard(self) -> None:
+        if self.grad_shard is not None:
+            self.home.zero_(self.grad_shard)
+
     def _new_grad_full(self) -> None:
-        self.grad_full = self.pool.get(self.layout.padded_numel, self.reduce_dtype, self.shard.device)
+        self.grad_full = self.pool.get(self.layout.padded_numel, self.reduce_dtype, self.device)
         self.grad_full.zero_()
 
     def free_grads(self) -> None:
@@ -285,6 +317,10 @@ class FlatUnit:
                 "grads": [self.grad_shard, self.grad_full, *(p.grad for p in self.params)],
                 "secondary_params": [self.secondary_shard]}
 
+    def offloaded_tensors(self) -> dict:
+        """The shards kept off the device, by placement ("host" or "disk")."""
+        return {self.home.kind: [self.shard, self.grad_shard]} if self.home.offloaded else {}
+
 
 class UnitGroupView:
     """The part of one unit that belongs to one optimizer param group (ShardStorage)."""
@@ -314,12 +350,22 @@ class UnitGroupView:
 
     def publish(self, phase: str = "step") -> None:
         """Nothing to publish: stage 3 gathers parameters when a unit next runs. A copy hpZ
-        kept of the old values is dropped."""
+        kept of the old values is dropped; offloaded pieces just written and read leave RAM."""
         self.unit.drop_secondary()
+        if self.unit.home.offloaded:
+            grads = self.owned_grads() if self.unit.grad_shard is not None else []
+            self.unit.home.release([*self.owned_params(), *grads])
 
     def zero_grad(self) -> None:
-        if self.unit.grad_shard is not None:
-            self.unit.grad_shard.zero_()
+        self.unit.zero_grad_shard()
 
     def held_tensors(self) -> dict:
         return self.unit.held_tensors()
+
+    def offloaded_tensors(self) -> dict:
+        return self.unit.offloaded_tensors()
+
+    @property
+    def offloaded(self) -> bool:
+        """The shards live off the device ([Note: shard homes]): their own fp32 master can stay there."""
+        return self.unit.home.offloaded

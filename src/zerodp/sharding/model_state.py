@@ -39,7 +39,8 @@ def _aliases(model: nn.Module, units: list[FlatUnit]) -> dict[int, list[str]]:
 def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint") -> list[torch.Tensor]:
     """Every parameter of the unit, whole, on every rank (one all-gather per segment)."""
     wanted = {i: (0, slot.numel) for i, slot in enumerate(unit.layout.slots)}
-    runs = gather_runs(unit.layout, unit.shard, unit.collectives, wanted, phase, label=f"unit {unit.name}")
+    runs = gather_runs(unit.layout, unit.gather_source(), unit.collectives, wanted, phase, label=f"unit {unit.name}")
+    unit.release_staged()
     return [runs[i].view(slot.shape) for i, slot in enumerate(unit.layout.slots)]
 
 
@@ -64,7 +65,9 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                 continue  # gathered exactly: torch's own state dict took the full values
             if rows.sharded:
                 wanted = {i: rows.row_range(slot.shape) for i, slot in enumerate(u.layout.slots)}
-                local = gather_runs(u.layout, u.shard, u.collectives, wanted, "checkpoint", label=f"unit {u.name}")
+                local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
+                                    label=f"unit {u.name}")
+                u.release_staged()
             else:  # one rank holds the unit whole
                 local = {i: u.shard[s.offset: s.offset + s.numel] for i, s in enumerate(u.layout.slots)}
             for i, p in enumerate(u.params):
@@ -98,7 +101,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         raise_if_any_failed(rows.comm, problem, "model.load_state_dict", "checkpoint")
         with torch.no_grad():
             for u, found in todo:  # the same keys on every rank
-                shard = rows.into_shard(u.layout, found, u.collectives, u.shard.dtype, u.shard.device,
+                shard = rows.into_shard(u.layout, found, u.collectives, u.shard.dtype, u.device,
                                         label=f"unit {u.name}")
                 for i in found:
                     for _, s, n in u.layout.slot_pieces(i, u.rank):

@@ -9,12 +9,16 @@ import torch.nn as nn
 
 from ..config import Config
 from ..distributed import Comm
+from ..distributed.agreement import raise_if_any_failed
+from ..memory.diskmem import Arena
+from ..memory.layout import FlatLayout
 from ..memory.pool import BufferPool
 from .flat_group import FlatParamGroup
 from ..distributed.quantized import QuantizedCollectives
-from .flat_unit import FlatUnit, SecondaryPartition, UnitGroupView
+from .flat_unit import ONE_SEGMENT, FlatUnit, SecondaryPartition, UnitGroupView
 from .meta_init import check_same_initialisation, default_device, has_meta, materialize
 from .prepare import apply_compute_dtype, replicate_from_rank0
+from .shard_home import ShardHome
 from .units import assign_params, encloses, select_units
 
 __all__ = ["FlatGroups", "ShardedUnits", "flatten_groups", "shard_units"]
@@ -59,11 +63,13 @@ def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]]
 
 
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
-                config: Config) -> ShardedUnits:
+                config: Config, files=None) -> ShardedUnits:
     """Split `model` into units and shard each unit's trainable parameters. A model built
-    under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole."""
+    under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
+    `files`: the rank's OffloadDir, for Config.offload_params="disk"."""
     units = select_units(model, config.unit_modules, config.unit_min_params)
     assignment = assign_params(model, units, named)
+    home = shard_home(config, comm, [[named[i][1].shape for i in idx] for idx in assignment], files)
     names = [n for n, _ in named]
     unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
     remaining = [len(idx) for idx in assignment]
@@ -80,7 +86,8 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
         idx = assignment[ui]
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
                              comm, config.compute_dtype, config.grad_reduce_dtype, pool,
-                             sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary)
+                             sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
+                             home=home)
 
     if born_sharded:
         old_index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -118,6 +125,27 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
         group_views.append(views)
     return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names)], pool,
                         secondary_pool)
+
+
+def shard_home(config: Config, comm: Comm, unit_shapes: list, files) -> ShardHome:
+    """Where the units' shards live ([Note: shard homes] in shard_home.py). On disk, every
+    unit's parameter and gradient shard is reserved now, in one file, so that a disk too
+    small fails here, on every rank, before any unit is built."""
+    kind = config.offload_params
+    if kind == "host":
+        return ShardHome("host", pinned=comm.device.type == "cuda")
+    if kind != "disk":
+        return ShardHome()
+    numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel if shapes else 0
+              for shapes in unit_shapes]
+    arenas, problem = (None, None), None
+    try:
+        arenas = tuple(files.arena(Arena.nbytes_for([(n, dtype) for n in numels]))
+                       for dtype in (config.compute_dtype, config.grad_reduce_dtype))
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        problem = e
+    raise_if_any_failed(comm, problem, "placing the parameter shards (Config.offload_params='disk')", "init")
+    return ShardHome("disk", param_arena=arenas[0], grad_arena=arenas[1], files=files)
 
 
 def training_collectives(comm: Comm, config: Config):
