@@ -59,7 +59,7 @@ def gpt_config(rung: str):
     from zerodp.demo.models import GPTConfig
 
     _, n_layer, n_embd = next(r for r in LADDER if r[0] == rung)
-    return GPTConfig(vocab_size=50304, block_size=SEQ, n_layer=n_layer, n_head=n_embd // 128, n_embd=n_embd)
+    return GPTConfig(vocab_size=50304, block_size=SEQ, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd)
 
 
 def disk_io() -> tuple[int, int]:
