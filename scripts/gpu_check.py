@@ -180,6 +180,25 @@ def check_offload(stage, precision, args, device):
     return check_case(stage, False, precision, args, device, tag=" host offload", offload_optimizer="host")
 
 
+def check_param_offload(kind, args, device):
+    """Config.offload_params: stage 3's shards in pinned host memory (or files), staged onto
+    the device for each gather, reduced chunks copied back."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zerodp-gpu-check-") as root:
+        directory = [root]
+        dist.broadcast_object_list(directory, src=0)  # one directory; each rank uses rank{r}/ in it
+        return check_case(3, False, "bf16", args, device, tag=f" params on {kind}", offload_optimizer="host",
+                          offload_params=kind, offload_dir=directory[0])
+
+
+def check_delayed_update(args, device):
+    """Config.delayed_update_after: the last step's host update on a thread, beside CUDA
+    work; the parameters then lag it by one update, well inside the tolerance."""
+    return check_case(2, False, "bf16", args, device, tag=" delayed update", offload_optimizer="host",
+                      delayed_update_after=args.steps - 1)
+
+
 def check_quantize_kernels(args, device):
     """ZeRO++'s blockwise int8/int4 round trip on the device, within max|block| / (2 qmax)."""
     from zerodp.distributed.quantized import dequantize, quantize
@@ -307,6 +326,8 @@ def main():
     cases += [(f"{label(s, False)} fp16 overflow", check_overflow_skip, s) for s in (0, 1, 2, 3)]
     cases += [(f"{label(s, False)} {p} DCP", check_dcp_round_trip, s, p) for s in (1, 3) for p in ("bf16", "fp16")]
     cases += [(f"{label(s, False)} {p} host offload", check_offload, s, p) for s in (2, 3) for p in ("bf16",)]
+    cases += [(f"stage 3 bf16 params on {k}", check_param_offload, k) for k in ("host", "disk")]
+    cases += [("stage 2 bf16 delayed update", check_delayed_update)]
     cases += [("quantize kernels", check_quantize_kernels)]
     cases += [] if args.no_bench else [("bench", bench)]
     results = []

@@ -2,16 +2,20 @@
 world at N = 1, 2, 4 (test_core.py reads its results)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import shutil
 import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerodp
 from checkpoint_cases import error_of
-from core_cases import OPTIMIZERS, SMALL_BUCKET, Net, batch, loss_fn, max_rel_diff, train_reference, train_zerodp
+from core_cases import (OPTIMIZERS, SMALL_BUCKET, STEPS, Net, batch, loss_fn, max_rel_diff, mlp_loss, train_reference,
+                        train_zerodp)
 
 STATE_BYTES = {"sgd": 4, "adamw": 8}  # momentum; exp_avg + exp_avg_sq (fp32)
 
@@ -84,6 +88,7 @@ def offload_grid(rank: int, world_size: int) -> dict:
                                             "norm_gap": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
     if world_size < 4:  # resharding itself is test_checkpoint's; here the placements
         out["checkpoint"] = checkpoint_both_ways(rank, world_size)
+        out["delayed"] = delayed_update_cases(rank, world_size)
     if world_size == 2:
         out["bad_dir"] = bad_offload_dirs(rank, root)
     if world_size > 1:
@@ -126,9 +131,58 @@ def bad_offload_dirs(rank: int, root: str) -> dict:
     return out
 
 
+def train_delayed_reference(opt_fn, rank: int, after: int):
+    """Config.delayed_update_after's definition ([Note: delayed parameter update]) on torch
+    DDP: step t computes with p_t = m_t up to step `after`, m_(t-1) after it, and updates
+    m_(t+1) = U(m_t, grad L_t(p_t)). Returns (the masters m_T, the parameters p_T, losses)."""
+    torch.manual_seed(0)
+    master = Net()
+    lagging = DDP(copy.deepcopy(master))
+    opt = opt_fn(master.parameters())
+    losses = []
+    for step in range(STEPS):
+        loss = mlp_loss(lagging, step, rank)
+        loss.backward()
+        for m, p in zip(master.parameters(), lagging.module.parameters()):
+            m.grad = p.grad.clone()
+        before = [m.detach().clone() for m in master.parameters()]
+        opt.step()
+        opt.zero_grad()
+        lagging.module.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(lagging.module.parameters(), master.parameters() if step < after else before):
+                p.copy_(m)
+        losses.append(float(loss.detach()))
+    return master, lagging.module, losses
+
+
+def delayed_update_cases(rank: int, world_size: int) -> dict:
+    """The delayed update against its definition, its parameters one update behind their
+    masters until a checkpoint (or the ledger) settles it, and unlike the synchronous run."""
+    out = {}
+    for stage, name, after in ((1, "sgd", 0), (2, "adamw", 2), (3, "sgd", 1), (3, "adamw", 0)):
+        fn = OPTIMIZERS[name]
+        master, lagging, ref_losses = train_delayed_reference(fn, rank, after)
+        cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET, unit_min_params=10, offload_optimizer="host",
+                            delayed_update_after=after)
+        model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
+        pending = opt.delayed.pending
+        with zerodp.gathered_parameters(model):
+            before_settle = max_rel_diff(model, lagging)
+        opt.settle()
+        with zerodp.gathered_parameters(model):
+            after_settle = max_rel_diff(model, master)
+        sync, _, sync_losses, _, _ = train_zerodp(Net, fn, dataclasses.replace(cfg, delayed_update_after=None), rank)
+        out[(stage, name, after)] = {
+            "pending": pending, "lagging_diff": before_settle, "master_diff": after_settle,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "differs_from_sync": max(abs(a - b) for a, b in zip(losses, sync_losses))}
+    return out
+
+
 def _shard_numel(opt) -> int:
     """Elements of the master this rank holds (the shards' owned pieces, padding excluded)."""
-    return sum(m.numel() for s in opt._all_shards() for m in s.master_tensors)
+    return sum(m.numel() for s in opt.all_shards() for m in s.master_tensors)
 
 
 def _steps(model, opt, steps, start, rank) -> list[float]:

@@ -13,7 +13,7 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
           "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_params",
-          "offload_dir"}
+          "offload_dir", "delayed_update_after"}
 
 
 def test_fields_are_pinned():
@@ -56,6 +56,10 @@ BAD = [
     ({"offload_params": "host", "stage": 3}, "offload_params", "offload_optimizer to 'host' or 'disk'"),
     ({"offload_dir": None, "offload_params": "disk", "stage": 3, "offload_optimizer": "host"}, "offload_dir",
      "give a path"),
+    ({"delayed_update_after": -1, "stage": 2, "offload_optimizer": "host"}, "delayed_update_after", ">= 0"),
+    ({"delayed_update_after": 0, "stage": 2}, "delayed_update_after", "offload_optimizer='host'"),
+    ({"delayed_update_after": 0, "stage": 3, "offload_optimizer": "host", "offload_params": "host"},
+     "delayed_update_after", "offload_params='none'"),
     ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
 ]
 

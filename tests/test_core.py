@@ -237,6 +237,23 @@ def test_checkpoints_move_between_offloaded_and_not_bit_for_bit(world):
         assert len(r["offload"]["checkpoint"]) == 10
 
 
+def test_delayed_update_follows_its_definition(world):
+    """Config.delayed_update_after against ZeRO-Offload's DPU written out on torch DDP."""
+    n, results = world
+    if n == 4:
+        return  # see offload_cases.offload_grid
+    for r in results:
+        for key, case in r["offload"]["delayed"].items():
+            assert case["pending"], key  # the last step's update was still in flight
+            # Same maths in the same order on the same values: fp32 tolerance (the DDP
+            # reference averages the gradients in another order).
+            assert case["lagging_diff"] <= FP32_TOL and case["master_diff"] <= FP32_TOL, (n, key, case)
+            assert case["loss_diff"] <= FP32_TOL, (n, key, case)
+            # Stale gradients give other losses than the synchronous run.
+            assert case["differs_from_sync"] > 10 * FP32_TOL, (n, key, case)
+        assert len(r["offload"]["delayed"]) == 4
+
+
 def test_a_bad_offload_dir_fails_on_every_rank_at_initialize(world):
     n, results = world
     if n != 2:

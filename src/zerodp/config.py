@@ -165,6 +165,13 @@ class Config:
     """offload_optimizer or offload_params "disk": an existing, writable directory on a local disk, one per
     run (each rank uses `rank{r}/` in it); its files are scratch, deleted at the end."""
 
+    delayed_update_after: Union[int, None] = None
+    """offload_optimizer="host", ZeRO-Offload's delayed parameter update (DPU): from this
+    step on, each step's host update runs in the background, overlapping the next forward
+    and backward, which then use the parameters from before it (each gradient is one update
+    stale: this changes the maths; the synchronous steps first are the paper's warm-up).
+    None: off. docs/offload.md."""
+
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
     rank raises an error naming the ranks that did not arrive and the collective each was
@@ -226,12 +233,24 @@ class Config:
         if self.offload_optimizer != "none" and self.stage == 0:
             raise _bad("offload_optimizer", self.offload_optimizer, "stage 0 (DDP) keeps no shard of its own to "
                                                                     "offload: use stage 1, 2 or 3")
+        self._check_delayed_update()
         units = self.unit_modules
         if isinstance(units, (str, type)):
             units = (units,)
         if not isinstance(units, (list, tuple)) or not all(isinstance(u, (str, type)) for u in units):
             raise _bad("unit_modules", self.unit_modules, "use a list of nn.Module classes or class names")
         object.__setattr__(self, "unit_modules", tuple(units))
+
+    def _check_delayed_update(self) -> None:
+        after = self.delayed_update_after
+        if after is None:
+            return
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise _bad("delayed_update_after", after, "use None or a step number >= 0")
+        if self.offload_optimizer != "host" or self.offload_params != "none":
+            raise _bad("delayed_update_after", after, "the delayed update runs the host optimizer beside the next "
+                                                      "step, on its own copy of the gradients: set "
+                                                      "offload_optimizer='host' and offload_params='none'")
 
     def _check_zeropp(self) -> None:
         if self.quantize_grads is not None and self.quantize_grads not in QUANTIZED_BITS:

@@ -26,10 +26,12 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from ..config import Config
 from ..distributed import Comm
 from ..memory import hostmem
-from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
+from ..memory.ledger import MemoryReport, is_elementwise_state
 from .clipping import global_grad_norm, local_nonfinite
 from .master import MasterShard, ShardStorage, runs_of_bytes
+from .delayed import DelayedUpdate
 from .homes import StateHomes
+from .report import measure
 from .offload import placement_for
 from ..distributed.agreement import raise_if_any_failed
 from ..sharding.rows import RowSharding
@@ -77,7 +79,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 shards = [MasterShard(s, full_precision, self.placement) for s in group_storages]
                 self.shards.append(shards)
                 group["params"] = [t for s in shards for t in s.master_tensors]
-            self.homes = StateHomes(self._all_shards(), self.placement)  # the states' long-lived buffers
+            self.homes = StateHomes(self.all_shards(), self.placement)  # the states' long-lived buffers
             if disk:  # the states' files now, so that a full disk is found before the first step
                 self.homes.allocate_ahead(inner, self.shards)
         except Exception as e:  # noqa: BLE001 - raised on this rank by the agreement below
@@ -99,13 +101,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grads_prepared = False
         self._found_inf = False
         self._last_skipped = False
-        self._on_cpu = any(t.device.type == "cpu" for s in self._all_shards() for t in s.master_tensors)
+        self._on_cpu = any(t.device.type == "cpu" for s in self.all_shards() for t in s.master_tensors)
         self._scaled_backwards = 0  # backward passes run through self.backward since the last step
         self._norm_this_step = None  # the global norm, when clip_grad_norm_ ran in this step
         self._zeroed = False  # zero_grad since the last step
         self.skipped_steps = 0  # steps skipped for a nan/inf gradient (nonfinite_grads="skip")
         self.step_count = 0
         self.last_grad_norm = None
+        # [Note: delayed parameter update] in delayed.py (Config.delayed_update_after).
+        after = config.delayed_update_after
+        self.delayed = DelayedUpdate(after) if after is not None else None
         # The inner optimizer's step without torch's hook wrapper: the hooks (global ones
         # included) run once per step in `step`, not once per bucket.
         step = type(inner).step
@@ -122,7 +127,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 files.close()
             raise
 
-    def _all_shards(self):
+    def all_shards(self) -> list[MasterShard]:
+        """Every group's master shards, in order."""
         return [s for group in self.shards for s in group]
 
     # -- training loop ------------------------------------------------------------------
@@ -182,6 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _prepare_grads(self) -> None:
         """Give every master tensor its unscaled fp32 gradient, once per step, and agree
         across ranks whether any gradient is inf/nan."""
+        self.settle()  # the update in flight reaches the parameters before new gradients are read
         if self._grads_prepared:
             return
         self._check_trainable_unchanged()
@@ -192,7 +199,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"run optimizer.backward(loss) (accumulation_steps={self.accumulation_steps} "
                 f"backward calls per step, {self.grad_sync.micro_step} so far) first")
         inv_scale = 1.0 / self.scaler.scale
-        for shard in self._all_shards():
+        for shard in self.all_shards():
             shard.attach_grads(inv_scale)
         self._grads_prepared = True
 
@@ -201,7 +208,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ on DDP would;
         each rank reduces the norm of its shard, so no gradient is gathered."""
         self._prepare_grads()
-        grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
+        grads = [m.grad for s in self.all_shards() for m in s.master_tensors if m.grad is not None]
         norm_type = float(norm_type)
         total = global_grad_norm(grads, norm_type, self.comm, self._owns_all())
         coef = float(max_norm) / (float(total) + 1e-6)
@@ -246,9 +253,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
         else:
             self._sync_hyperparameters()
-            self._inner_step()
+            if self.delayed is not None and self.delayed.applies(self.step_count):
+                self.delayed.launch(self._inner_step)  # published when the next step begins
+            else:
+                self._inner_step()
+                self.sync_params_from_master()
             self.scaler.update(found_inf=False)
-            self.sync_params_from_master()
         self.step_count += 1
         self._grads_prepared = False
         self._found_inf = False
@@ -305,7 +315,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self._norm_this_step is not None:  # clip_grad_norm_ already reduced it: global
                 flag = torch.tensor(0.0 if math.isfinite(float(self._norm_this_step)) else 1.0)
             else:
-                grads = [m.grad for s in self._all_shards() for m in s.master_tensors if m.grad is not None]
+                grads = [m.grad for s in self.all_shards() for m in s.master_tensors if m.grad is not None]
                 flag = local_nonfinite(grads, self.comm.device)
         nonfinite = self.comm.agree_on_step(flag)
         if self.config.uses_loss_scaling:
@@ -357,30 +367,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._norm_this_step = None
         self._zeroed = True
         self._scaled_backwards = 0
-        for shard in self._all_shards():
+        in_flight = self.delayed is not None and self.delayed.pending  # its update reads the masters' .grad
+        for shard in self.all_shards():
             shard.storage.zero_grad()
             for m in shard.master_tensors:
-                m.grad = None
+                if not in_flight:
+                    m.grad = None
 
     def state_dict(self) -> dict:
         """torch's optimizer state dict with every per-element state a DTensor of its
         parameter's shape (this rank's rows), which torch.distributed.checkpoint saves and
         reshards: optim/state_dict.py. Collective: every rank calls it."""
+        self.settle()
         return sharded_state_dict(self, self.rows)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()` (from any world size and stage) or its full form."""
+        self.settle()
         load_sharded_state_dict(self, state_dict, self.rows)
 
     # -- state by parameter name (checkpoints) ---------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
         """Every run of parameter elements this rank owns, by parameter name; independent of
         the world size and stage, so a checkpoint written from it can be read by any other."""
+        self.settle()
         return owned_slices(self)
 
     def scalar_states(self) -> list[dict]:
         """Per param group, the optimizer's scalar states (e.g. Adam's step), which torch's
         optimizers keep equal across a group's parameters."""
+        self.settle()
         out = []
         for gi, group in enumerate(self.shards):
             found = {}
@@ -396,11 +412,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def materialize_state(self) -> None:
         """Create the optimizer's states (as its first step would) without changing any
         parameter: a step with zero gradients and learning rate 0, as torch DCP does."""
-        if all(len(self.inner.state.get(t, {})) for s in self._all_shards() for t in s.master_tensors):
+        self.settle()
+        if all(len(self.inner.state.get(t, {})) for s in self.all_shards() for t in s.master_tensors):
             return
         self._sync_hyperparameters()
         saved_lr = [g["lr"] for g in self.inner.param_groups]
-        for s in self._all_shards():
+        for s in self.all_shards():
             for t in s.master_tensors:
                 t.grad = torch.zeros_like(t)
         for g in self.inner.param_groups:
@@ -410,18 +427,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             for g, lr in zip(self.inner.param_groups, saved_lr):
                 g["lr"] = lr
-            for s in self._all_shards():
+            for s in self.all_shards():
                 for t in s.master_tensors:
                     t.grad = None
 
     def clear_state(self) -> None:
         """Drop every optimizer state, as before the first step (the long-lived buffers
         stay, for the states of the next first step)."""
+        self.settle()
         self.inner.state.clear()
         self.homes.forget()
 
     @torch.no_grad()
     def load_scalar_states(self, scalars: list[dict]) -> None:
+        self.settle()
         for group, values in zip(self.shards, scalars):
             for shard in group:
                 for t in shard.master_tensors:
@@ -435,7 +454,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def sync_params_from_master(self, phase: str = "step") -> None:
         """After the step or a load: write the masters to the compute parameters and publish."""
-        for shard in self._all_shards():
+        if self.delayed is not None:
+            self.delayed.wait()  # its masters are the ones written below
+        for shard in self.all_shards():
             shard.write_back()
             shard.storage.publish(phase)
 
@@ -443,53 +464,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def refresh_master_from_params(self) -> None:
         """After the compute parameters were changed by hand (e.g. in gathered_parameters
         with modify=True), start the fp32 master from them again."""
-        for shard in self._all_shards():
+        self.settle()
+        for shard in self.all_shards():
             shard.refresh_from_params()
+
+    def settle(self) -> None:
+        """Wait for a delayed update in flight and publish it ([Note: delayed parameter
+        update] in delayed.py); nothing to do without one."""
+        if self.delayed is not None and self.delayed.pending:
+            self.sync_params_from_master()
 
     # -- reports ------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, counted from its storages: [Note: measured ledger]."""
-        census = Census()
-        storages = [s.storage for s in self._all_shards()]
-        held_by = [st.held_tensors() for st in storages]
-        census.claim("params", (t for held in held_by for t in held["params"]))
-        census.claim("master", (m for s in self._all_shards() for m in s.master_tensors))
-        census.claim("grads", (t for held in held_by for t in held["grads"]))
-        census.claim("grads", (m.grad for s in self._all_shards() for m in s.master_tensors))
-        census.claim("grads", (b for s in self._all_shards() for b in s.grad_staging))
-        census.claim("optimizer_states", (v for p, state in self.inner.state.items()
-                                          for v in state.values() if is_elementwise_state(v, p)))
-        census.claim("optimizer_states", self.homes.buffers.values())  # allocated ahead (disk)
-        census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
-        secondary = getattr(self.grad_sync, "secondary_pool", None)
-        census.claim("secondary_params", secondary.allocated if secondary is not None else ())
-        pool = getattr(self.grad_sync, "pool", None)
-        census.claim("comm_buffers", pool.allocated if pool is not None else ())
-        for holder, t in walk_tensors(self):
-            census.claim(holder, [t])
-        held = census.by_owner()
-        layouts = {id(st.layout): st.layout for st in storages}.values()
-        # What the placement keeps off the device: in host memory ([Note: host placement]) or
-        # in files ([Note: disk placement]), counted from the same storages.
-        offloaded = Census()
-        for st in storages:  # Config.offload_params: the shards themselves
-            for kind, tensors in st.offloaded_tensors().items():
-                offloaded.claim(kind, tensors)
-        if self.placement.kind in ("host", "disk"):
-            files = getattr(self.placement, "files", None)
-            kept = [*(m for s in self._all_shards() for m in s.master_tensors),
-                    *(b for s in self._all_shards() for b in s.grad_staging),
-                    *(v for p, state in self.inner.state.items() for v in state.values()
-                      if is_elementwise_state(v, p)), *self.homes.buffers.values()]
-            offloaded.claim(self.placement.kind, (t for t in kept if files is None or files.owns(t)))
-        by_place = offloaded.by_owner()
-        return MemoryReport(
-            host_offloaded=by_place.get("host", 0), disk_offloaded=by_place.get("disk", 0),
-            **{c: held.pop(c, 0) for c in CATEGORIES},
-            numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
-            world_size=self.comm.shard_size, stage=self.config.stage,  # the N states are divided by
-            gathered_params_peak=self.stage3.gathered_peak_nbytes if self.stage3 is not None else 0,
-            other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
+        self.settle()
+        return measure(self)
 
     def report(self) -> dict:
         """This rank's memory ledger and the last step's communication, as plain data."""

@@ -1,0 +1,53 @@
+"""The optimizer's memory ledger: [Note: measured ledger] in memory/ledger.py."""
+from __future__ import annotations
+
+from ..memory.ledger import CATEGORIES, Census, MemoryReport, is_elementwise_state, walk_tensors
+
+__all__ = ["measure"]
+
+
+def measure(opt) -> MemoryReport:
+    """Bytes a ZeroOptimizer's rank holds, counted from its storages, by category and by
+    placement (device, host, disk)."""
+    census = Census()
+    storages = [s.storage for s in opt.all_shards()]
+    held_by = [st.held_tensors() for st in storages]
+    census.claim("params", (t for held in held_by for t in held["params"]))
+    census.claim("master", (m for s in opt.all_shards() for m in s.master_tensors))
+    census.claim("grads", (t for held in held_by for t in held["grads"]))
+    census.claim("grads", (m.grad for s in opt.all_shards() for m in s.master_tensors))
+    census.claim("grads", (b for s in opt.all_shards() for b in s.grad_staging))
+    census.claim("optimizer_states", (v for p, state in opt.inner.state.items()
+                                      for v in state.values() if is_elementwise_state(v, p)))
+    census.claim("optimizer_states", opt.homes.buffers.values())  # allocated ahead (disk)
+    census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
+    secondary = getattr(opt.grad_sync, "secondary_pool", None)
+    census.claim("secondary_params", secondary.allocated if secondary is not None else ())
+    pool = getattr(opt.grad_sync, "pool", None)
+    census.claim("comm_buffers", pool.allocated if pool is not None else ())
+    for holder, t in walk_tensors(opt):
+        census.claim(holder, [t])
+    held = census.by_owner()
+    layouts = {id(st.layout): st.layout for st in storages}.values()
+    # What the placement keeps off the device: in host memory ([Note: host placement]) or
+    # in files ([Note: disk placement]), counted from the same storages.
+    offloaded = Census()
+    for st in storages:  # Config.offload_params: the shards themselves
+        for kind, tensors in st.offloaded_tensors().items():
+            offloaded.claim(kind, tensors)
+    if opt.placement.kind in ("host", "disk"):
+        files = getattr(opt.placement, "files", None)
+        kept = [*(m for s in opt.all_shards() for m in s.master_tensors),
+                *(b for s in opt.all_shards() for b in s.grad_staging),
+                *(v for p, state in opt.inner.state.items() for v in state.values()
+                  if is_elementwise_state(v, p)), *opt.homes.buffers.values()]
+        offloaded.claim(opt.placement.kind, (t for t in kept if files is None or files.owns(t)))
+    by_place = offloaded.by_owner()
+    return MemoryReport(
+        host_offloaded=by_place.get("host", 0), disk_offloaded=by_place.get("disk", 0),
+        **{c: held.pop(c, 0) for c in CATEGORIES},
+        numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
+        world_size=opt.comm.shard_size, stage=opt.config.stage,  # the N states are divided by
+        gathered_params_peak=opt.stage3.gathered_peak_nbytes if opt.stage3 is not None else 0,
+        other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
+
