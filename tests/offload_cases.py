@@ -177,7 +177,36 @@ def delayed_update_cases(rank: int, world_size: int) -> dict:
             "pending": pending, "lagging_diff": before_settle, "master_diff": after_settle,
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "differs_from_sync": max(abs(a - b) for a, b in zip(losses, sync_losses))}
+    if world_size == 2:
+        out["failed_update"] = failed_delayed_update(rank)
     return out
+
+
+class FlakySGD(torch.optim.SGD):
+    """SGD whose step raises once `fail` is set (on one rank)."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if FlakySGD.fail:
+            raise RuntimeError("injected failure in the update")
+        return super().step(closure)
+
+
+def failed_delayed_update(rank: int) -> str:
+    """A delayed update that raises on rank 1 only: the next step raises on every rank."""
+    cfg = zerodp.Config(stage=2, offload_optimizer="host", delayed_update_after=0)
+    model, opt = zerodp.initialize(Net(), FlakySGD, cfg, lr=0.1)
+    FlakySGD.fail = rank == 1
+    try:
+        for step in range(2):
+            x, y = batch(step, rank)
+            opt.backward(loss_fn(model(x), y))
+            error = error_of(opt.step)
+            opt.zero_grad()
+    finally:
+        FlakySGD.fail = False
+    return error
 
 
 def _shard_numel(opt) -> int:

@@ -158,7 +158,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             if files is not None:  # the directory can be used again at once
                 files.close()
             raise
-        install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params)
+        install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params,
+                                 settle=opt.settle)
         log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(sharded.units),
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))
     else:
@@ -170,7 +171,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                                     if torch.is_grad_enabled() else None)
         opt = ZeroOptimizer(inner, [[g] for g in flat.groups], comm, config, reducer, trainable=named,
                             group_indices=group_indices)
-        install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params)
+        install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
     _INITIALIZED.add(model)

@@ -25,6 +25,7 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
     """The model's state dict with every tensor whole, under the model's own names and
     shapes, in the dtype the model computes in. Collective: every rank calls it; with
     `rank0_only` the other ranks get {} (and hold nothing after each unit's gather)."""
+    optimizer.settle()  # a delayed update in flight reaches the parameters first
     keep = not rank0_only or optimizer.comm.rank == 0
 
     whole: dict[int, torch.Tensor] = {}  # id(parameter) -> a tensor of its own, not training memory

@@ -21,43 +21,43 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
+import torch
+
 __all__ = ["DelayedUpdate"]
 
 
 class DelayedUpdate:
-    """The one update in flight, on a thread of its own."""
+    """The one update in flight, on a thread of its own; `pending` until it is published."""
 
     def __init__(self, after: int):
         self.after = after
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self.pending = False  # launched, not yet published to the parameters
 
     def applies(self, step: int) -> bool:
         return step >= self.after
 
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None
-
     def launch(self, update: Callable[[], None]) -> None:
-        if self._thread is not None:
+        if self.pending:
             raise RuntimeError("a delayed update was launched while another is in flight")
 
         def run():
             try:
-                update()
-            except BaseException as e:  # noqa: BLE001 - re-raised by wait(), on the training thread
+                with torch.no_grad():  # grad mode is per thread
+                    update()
+            except BaseException as e:  # noqa: BLE001 - returned by wait(), on the training thread
                 self._error = e
-        self._thread = threading.Thread(target=run, name="zerodp-delayed-update")
-        self._thread.start()
+        thread = threading.Thread(target=run, name="zerodp-delayed-update")
+        thread.start()
+        self._thread, self.pending = thread, True
 
-    def wait(self) -> bool:
-        """Wait for the update in flight; whether there was one. Its error, if it raised."""
-        if self._thread is None:
-            return False
-        self._thread.join()
-        self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"the delayed optimizer update failed: {error}") from error
-        return True
+    def wait(self) -> Optional[BaseException]:
+        """Wait for the update in flight (no collective); the error it raised, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._error
+
+    def published(self) -> None:
+        self.pending, self._error = False, None

@@ -454,8 +454,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def sync_params_from_master(self, phase: str = "step") -> None:
         """After the step or a load: write the masters to the compute parameters and publish."""
-        if self.delayed is not None:
-            self.delayed.wait()  # its masters are the ones written below
+        if self.delayed is not None and self.delayed.pending:
+            self.settle()  # publishes the update in flight
+            return
         for shard in self.all_shards():
             shard.write_back()
             shard.storage.publish(phase)
@@ -471,13 +472,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def settle(self) -> None:
         """Wait for a delayed update in flight and publish it ([Note: delayed parameter
         update] in delayed.py); nothing to do without one."""
-        if self.delayed is not None and self.delayed.pending:
-            self.sync_params_from_master()
+        if self.delayed is None or not self.delayed.pending:
+            return
+        # Every rank joins its own thread, then all agree before publishing (a collective at
+        # stages 1-2): an update that raised on one rank raises on every rank.
+        raise_if_any_failed(self.comm, self.delayed.wait(), "the delayed optimizer update", "step")
+        self.delayed.published()
+        self.sync_params_from_master()
 
     # -- reports ------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds, counted from its storages: [Note: measured ledger]."""
-        self.settle()
+        """Bytes this rank holds, counted from its storages: [Note: measured ledger]. Local:
+        a delayed update in flight is waited for (its states may be being created), not
+        published."""
+        if self.delayed is not None:
+            self.delayed.wait()
         return measure(self)
 
     def report(self) -> dict:

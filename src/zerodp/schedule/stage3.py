@@ -333,6 +333,7 @@ class Stage3Engine(BackwardSchedule):
         wait for reductions in flight, drop unreduced gradients, free every gathered unit."""
         super().reset()
         self._wait_all(replicas=False)  # no new collective now: the other ranks may not be reducing
+        self.units[-1].home.synchronize()  # offloaded gradient shards: before zero_grad zeroes them
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -350,6 +351,8 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
     0's values are written back to every rank's shard on exit (and to the fp32 master
     if `optimizer` is given), as DeepSpeed's GatheredParameters(modifier_rank=0) does.
     Outside stage 3 the parameters are already full; the block is still a valid no-op."""
+    if optimizer is not None:
+        optimizer.settle()  # a delayed update lands before the parameters are read or edited
     params = list(target.parameters()) if isinstance(target, nn.Module) else list(target)
     wanted = {id(p) for p in params}
     chosen: list[tuple[Stage3Engine, FlatUnit]] = []

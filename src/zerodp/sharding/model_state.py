@@ -45,9 +45,10 @@ def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint") -> list[torch.T
 
 
 def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowSharding,
-                             on_loaded: Callable[[], None]) -> None:
+                             on_loaded: Callable[[], None], settle: Callable[[], None]) -> None:
     """Make the model's state dict the sharded one described above; `on_loaded` runs after
-    a load changed parameters (the optimizer restarts its fp32 master from them)."""
+    a load changed parameters (the optimizer restarts its fp32 master from them), `settle`
+    before the parameters are read or written (a delayed optimizer update lands first)."""
     aliases = _aliases(model, units)
 
     # A gathered unit (inside gathered_parameters) holds its parameters whole, in place:
@@ -56,6 +57,8 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
 
     def state_dict_pre_hook(module, prefix, keep_vars):
         asked_for_vars[0] = keep_vars
+        if not keep_vars:  # the collective form, called by every rank
+            settle()
 
     def state_dict_hook(module, state_dict, prefix, local_metadata):
         if asked_for_vars[0]:
@@ -93,6 +96,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
+        settle()
         todo, problem = [], None
         try:
             todo = _found(state_dict, prefix)
@@ -127,13 +131,16 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
     model.register_load_state_dict_post_hook(load_post_hook)
 
 
-def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: Callable[[], None]) -> None:
+def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: Callable[[], None],
+                            settle: Callable[[], None]) -> None:
     """Stages 0-2 hold the parameters whole, so torch's own state dict is right; loading
     takes a sharded (DTensor) state dict too, gathered whole first, and `on_loaded` then
-    restarts the optimizer's fp32 master from the loaded parameters."""
+    restarts the optimizer's fp32 master from the loaded parameters (`settle` first lands a
+    delayed update, which would otherwise overwrite them)."""
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
+        settle()
         for key in sorted(k for k, v in state_dict.items() if isinstance(v, DTensor)):  # same order on every rank
             state_dict[key] = rows.whole(state_dict[key], key)
 
