@@ -21,6 +21,8 @@ Variants:
   zerodp0..3   zerodp.initialize(..., Config(stage=s, unit_modules=[Block]))
   zerodp3_host stage 3 with Config.offload_optimizer="host" (master, gradient copy, states in host memory)
   zerodp3_disk stage 3 with offload_optimizer="disk" (states in files under $TMPDIR/zerodp-bench-offload)
+  zerodp3_all_disk  stage 3 with the optimizer and offload_params="disk" (every model-state byte in files)
+  zerodp3_host_dpu  zerodp3_host with the delayed parameter update from step 0 (changes the maths)
 
 Model state per rank, fp32 AdamW (K = 8: exp_avg and exp_avg_sq; 4-byte params and grads;
 the fp32 parameters are their own master copy), ZeRO arXiv 1910.02054 §5 with Ψ parameters
@@ -48,11 +50,11 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("ddp", "zero1_torch", "fsdp2", "zerodp0", "zerodp1", "zerodp2", "zerodp3", "zerodp3_host",
-            "zerodp3_disk")
+            "zerodp3_disk", "zerodp3_all_disk", "zerodp3_host_dpu")
 MODELS = ("20m", "120m")
 # The ZeRO stage whose formula each variant's model state should follow.
 FORMULA_STAGE = {"ddp": 0, "zero1_torch": 1, "fsdp2": 3, "zerodp0": 0, "zerodp1": 1, "zerodp2": 2, "zerodp3": 3,
-                 "zerodp3_host": 3, "zerodp3_disk": 3}
+                 "zerodp3_host": 3, "zerodp3_disk": 3, "zerodp3_all_disk": 3, "zerodp3_host_dpu": 3}
 # Where the disk variant keeps its optimizer states (each rank in its own rank{r}/).
 OFFLOAD_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "zerodp-bench-offload")
 
@@ -190,7 +192,7 @@ def make_setup_zerodp(stage: int, **fields):
         from zerodp.demo.models import Block
 
         chosen = dict(fields)
-        if chosen.get("offload_optimizer") == "disk":
+        if "disk" in (chosen.get("offload_optimizer"), chosen.get("offload_params")):
             os.makedirs(OFFLOAD_DIR, exist_ok=True)
             chosen.setdefault("offload_dir", OFFLOAD_DIR)
         cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block], **chosen)
@@ -225,7 +227,9 @@ def timed_steps(trainer: Trainer, batches: list) -> tuple[list[float], list[floa
 SETUPS = {"ddp": setup_ddp, "zero1_torch": setup_zero1_torch, "fsdp2": setup_fsdp2,
           **{f"zerodp{s}": make_setup_zerodp(s) for s in range(4)},
           "zerodp3_host": make_setup_zerodp(3, offload_optimizer="host"),
-          "zerodp3_disk": make_setup_zerodp(3, offload_optimizer="disk")}
+          "zerodp3_disk": make_setup_zerodp(3, offload_optimizer="disk"),
+          "zerodp3_all_disk": make_setup_zerodp(3, offload_optimizer="disk", offload_params="disk"),
+          "zerodp3_host_dpu": make_setup_zerodp(3, offload_optimizer="host", delayed_update_after=0)}
 
 
 def worker(args) -> None:

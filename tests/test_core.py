@@ -218,7 +218,7 @@ def _check_params_offloaded(n, key, case):
         assert case["file_bytes"] == case["disk"], (n, key, case)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3, "3+params"])
 def test_offload_with_accumulation_and_clipping_equals_ddp(world, stage):
     n, results = world
     for r in results:

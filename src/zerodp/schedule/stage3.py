@@ -146,8 +146,11 @@ class Stage3Engine(BackwardSchedule):
         if self._recording or ui not in order:
             return
         at = order.index(ui)
-        for nxt in order[at + 1: at + 1 + self.config.prefetch_units]:
+        ahead = order[at + 1: at + 2 + self.config.prefetch_units]
+        for nxt in ahead[:self.config.prefetch_units]:
             self._gather(nxt, phase, async_op=True)
+        for nxt in ahead[self.config.prefetch_units:]:  # the one after: its shard read from disk meanwhile
+            self.units[nxt].warm()
 
     # -- forward -----------------------------------------------------------------------------
     def _make_pre_forward(self, ui: int):

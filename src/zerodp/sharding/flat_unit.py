@@ -105,6 +105,7 @@ class FlatUnit:
         self.outer = False
         self.work = None
         self._staged: Optional[torch.Tensor] = None  # an offloaded shard's device copy, while gathering
+        self._grad_stale = False  # on disk, after zero_grad: the shard reads as zero until overwritten
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
         self.state = UnitState.SHARDED
@@ -140,6 +141,12 @@ class FlatUnit:
         self.collectives.all_gather(self.full, self.gather_source(), "forward", label=f"unit {self.name}")
         self.release_staged()
         self.exact = True
+
+    def warm(self) -> None:
+        """This unit is gathered soon: an offloaded shard on disk starts being read now
+        (asynchronous), so that its gather's copy finds it in memory."""
+        if self.state is UnitState.SHARDED and self.home.offloaded:
+            self.home.prefetch([self.shard])
 
     def gather_source(self) -> torch.Tensor:
         """The shard as a collective's input: itself on the device; an offloaded one copied
@@ -249,7 +256,9 @@ class FlatUnit:
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
         if self.grad_full is not None and self.home.offloaded:  # [Note: shard homes]
-            self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full), add=accumulate)
+            self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full),
+                           add=accumulate and not self._grad_stale)
+            self._grad_stale = False
         elif accumulate and self.grad_full is not None:
             self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
         self.free_grads()
@@ -274,13 +283,16 @@ class FlatUnit:
 
     def ensure_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = self.home.empty(self.layout.shard_numel, self.reduce_dtype, self.device, grads=True)
-            self.home.zero_(self.grad_shard)
+            self.grad_shard = self.home.zeros(self.layout.shard_numel, self.reduce_dtype, self.device, grads=True)
         return self.grad_shard
 
     def zero_grad_shard(self) -> None:
-        if self.grad_shard is not None:
-            self.home.zero_(self.grad_shard)
+        if self.grad_shard is None:
+            return
+        if self.home.kind == "disk":  # zeroing a file writes it: the next reduction overwrites it instead
+            self._grad_stale = True
+        else:
+            self.grad_shard.zero_()
 
     def _new_grad_full(self) -> None:
         self.grad_full = self.pool.get(self.layout.padded_numel, self.reduce_dtype, self.device)

@@ -12,7 +12,8 @@ reduce-scatter lands in the device's unsharded gradient buffer, from which the o
 is copied (or added, when accumulating) into the offloaded gradient shard (`land`). A CPU
 run takes the same path, with real copies, so tests cover the one a GPU run takes. On
 disk, a shard's pages are read just before its gather (MADV_WILLNEED for the whole range,
-then the copy) and dropped right after, so RAM holds only the units in flight.
+then the copy; the unit after the prefetched ones is asked for ahead, so that its reading
+overlaps compute) and dropped right after, so RAM holds only the units in flight.
 """
 from __future__ import annotations
 
@@ -25,11 +26,6 @@ from ..memory import hostmem
 from ..memory.diskmem import Arena
 
 __all__ = ["ShardHome"]
-
-# Zeroing a gradient shard on disk is done this many bytes at a time, each part's pages
-# dropped before the next, so that it never brings the whole shard into RAM.
-_ZERO_BYTES = 64 << 20
-
 
 @dataclass(frozen=True)
 class ShardHome:
@@ -56,6 +52,14 @@ class ShardHome:
             return torch.zeros(numel, dtype=dtype, pin_memory=True)
         return hostmem.empty(numel, dtype, torch.device("cpu"))
 
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device, grads: bool = False) -> torch.Tensor:
+        """As `empty`, zeroed: only device memory on an accelerator needs it (anonymous and
+        pinned pages start zeroed, and so do the files' freshly allocated blocks)."""
+        out = self.empty(numel, dtype, device, grads)
+        if self.kind == "device" and out.device.type != "cpu":
+            out.zero_()
+        return out
+
     def copy_of(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out = self.empty(src.numel(), dtype, src.device)
         out.copy_(src.reshape(-1))
@@ -75,16 +79,6 @@ class ShardHome:
         else:
             shard.copy_(chunk, non_blocking=self.pinned)
         self.release([shard])
-
-    def zero_(self, t: torch.Tensor) -> None:
-        if self.kind != "disk":
-            t.zero_()
-            return
-        step = max(1, _ZERO_BYTES // t.element_size())
-        for start in range(0, t.numel(), step):
-            part = t[start: start + step]
-            part.zero_()
-            self.release([part])
 
     def prefetch(self, tensors) -> None:
         if self.files is not None:
