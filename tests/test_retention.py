@@ -54,12 +54,15 @@ def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path,
         "a.tmp-unowned-old": leftover(tmp_path, "a.tmp-unowned-old", age_s=2 * 86400),
         "a.tmp-unowned-new": leftover(tmp_path, "a.tmp-unowned-new"),
         "b.old-committing": leftover(tmp_path, "b.old-committing"),
+        # Killed between making its directory and naming its writer in it: never a .tmp-.
+        "c.staging-old": leftover(tmp_path, "c.staging-old", age_s=120),
+        "c.staging-naming": leftover(tmp_path, "c.staging-naming"),
     }
     (tmp_path / "notes").mkdir()
     zerodp.save(tmp_path / "step_1", model, opt)
     kept = sorted(os.listdir(tmp_path))
     assert kept == sorted(["step_1", "notes", "a.tmp-live", "a.tmp-foreign-new", "a.tmp-unowned-new",
-                           "b.old-committing"]), kept
+                           "b.old-committing", "c.staging-naming"]), kept
     assert zerodp.latest(tmp_path).endswith("step_1")
     assert left  # every case above was created
 

@@ -46,6 +46,7 @@ COMPLETE = "COMPLETE"
 REPLICATED = "replicated.safetensors"
 TMP_TAG = ".tmp-"  # an unfinished save
 OLD_TAG = ".old-"  # a checkpoint being replaced by a save to the same path
+STAGING_TAG = ".staging-"  # an unfinished save's directory until its writer is named inside
 
 PathLike = str | os.PathLike
 

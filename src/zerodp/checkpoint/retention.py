@@ -5,11 +5,13 @@
 A save killed outright (SIGKILL, a node lost) leaves its `{path}.tmp-{id}` directory; one
 killed in the middle of replacing a checkpoint may leave `{path}.old-{id}`. Neither is ever
 loaded (`latest` skips both), but they hold the disk. Each temporary directory names its
-writer (OWNER: host with its boot and pid namespace, pid, start time); after every
+writer (OWNER: host with its boot and pid namespace, pid, start time), written before the
+directory gets its `.tmp-` name (it is made as `{path}.staging-{id}` and renamed once OWNER
+is in it, so a kill can never leave a `.tmp-` directory without one); after every
 successful save rank 0 removes the siblings whose writer is gone: on this host, a pid that
 no longer runs; elsewhere (a shared filesystem, another container), one older than a day. A save in progress, by this job or another, is
-never touched. `.old-` directories live for the milliseconds of a commit; one older than
-a minute is a leftover.
+never touched. `.old-` and `.staging-` directories live for the milliseconds of a commit or
+of naming the writer; one older than a minute is a leftover.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import socket
 import time
 import uuid
 
-from .format import COMPLETE, METADATA, OLD_TAG, TMP_TAG
+from .format import COMPLETE, METADATA, OLD_TAG, STAGING_TAG, TMP_TAG
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ def _is_stale(entry: os.DirEntry, now: float) -> bool:
     st = entry.stat(follow_symlinks=False)
     if OLD_TAG in entry.name:  # a rename sets ctime, not mtime: the time it was moved aside
         return now - st.st_ctime > OLD_STALE_S
+    if STAGING_TAG in entry.name:
+        return now - st.st_mtime > OLD_STALE_S
     age = now - st.st_mtime
     try:
         with open(os.path.join(entry.path, OWNER)) as f:
@@ -81,7 +85,8 @@ def remove_stale(directory: str) -> list[str]:
     except OSError:
         return removed
     for entry in entries:
-        if not entry.is_dir(follow_symlinks=False) or (TMP_TAG not in entry.name and OLD_TAG not in entry.name):
+        if not entry.is_dir(follow_symlinks=False) or not any(
+                tag in entry.name for tag in (TMP_TAG, OLD_TAG, STAGING_TAG)):
             continue
         try:
             if _is_stale(entry, now):

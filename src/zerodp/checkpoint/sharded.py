@@ -27,6 +27,7 @@ from .format import (
     METADATA,
     OLD_TAG,
     REPLICATED,
+    STAGING_TAG,
     TMP_TAG,
     CheckpointError,
     FORMAT,
@@ -91,20 +92,25 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
     comm, rank = optimizer.comm, optimizer.comm.rank
     path = os.path.abspath(os.fspath(path))
     # 1. Agree on the temporary directory and on which rank holds which element ranges.
+    save_id = uuid.uuid4().hex[:12]
+    staging = f"{path}{STAGING_TAG}{save_id}"
     try:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
         slices = _slices_to_write(optimizer)
-        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{uuid.uuid4().hex[:12]}",
+        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
                  "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
-        if rank == 0:  # the directory exists only with its writer named: [Note: stale leftovers]
-            os.makedirs(local["tmp"])
-            fileio.write_json(os.path.join(local["tmp"], OWNER), owner_record())
+        if rank == 0:  # the directory gets its name only with its writer named: [Note: stale leftovers]
+            os.makedirs(staging)
+            fileio.write_json(os.path.join(staging, OWNER), owner_record())
+            os.rename(staging, local["tmp"])
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
         local = {"ok": False, "error": describe_error(e)}
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
     agreed = comm.all_gather_object(local, "checkpoint", label=f"save of {path}: plan")
     try:
         raise_if_failed(agreed, f"save of {path} (nothing was written)")
@@ -334,7 +340,7 @@ def latest(directory: PathLike) -> str | None:
         return None
     found = []
     for entry in os.scandir(directory):
-        if not entry.is_dir() or TMP_TAG in entry.name or OLD_TAG in entry.name:
+        if not entry.is_dir() or any(tag in entry.name for tag in (TMP_TAG, OLD_TAG, STAGING_TAG)):
             continue
         marker = os.path.join(entry.path, COMPLETE)
         try:
