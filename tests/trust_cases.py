@@ -79,8 +79,10 @@ def failed_backward(rank, world_size):
     """Step 1's backward raises halfway; the loop catches it, calls zero_grad and goes on.
     The result equals DDP that skipped batch 1; the engine holds nothing of the failed pass."""
     out = {}
+    # AdamW at N = 2 only: SGD, the scale-sensitive one, carries the check at N = 4.
+    optimizers = (("sgd", sgd), ("adamw", adamw)) if world_size <= 2 else (("sgd", sgd),)
     for stage in (0, 1, 2, 3):
-        for opt_name, opt_fn in (("sgd", sgd), ("adamw", adamw)):
+        for opt_name, opt_fn in optimizers:
             ref = _reference_skipping(opt_fn, rank, skip=1)
             torch.manual_seed(0)
             model, opt = zerodp.initialize(Stack(), opt_fn, stack_cfg(stage))
@@ -321,7 +323,9 @@ def memory_ledger(rank, world_size):
     precisions = (("fp32", 4, 0), ("bf16", 2, 4)) if world_size <= 2 else (("fp32", 4, 0),)
     for precision, pbytes, master in precisions:
         for stage in (0, 1, 2, 3):
-            for each in ((True, False) if stage >= 2 else (True,)):
+            # Where gradients live between micro-batches (reduce_each_micro_batch) does not
+            # depend on N: both at N = 2, the default at N = 4.
+            for each in ((True, False) if stage >= 2 and world_size <= 2 else (True,)):
                 cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_modules=[Block],
                                     grad_accumulation_steps=2, reduce_each_micro_batch=each)
                 out[(precision, stage, each)] = _ledger_and_census(cfg, pbytes, master, world_size)
