@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..config import Config
 from ..distributed import Comm
 from ..distributed.agreement import raise_if_any_failed
+from ..memory import hostmem
 from ..memory.diskmem import Arena
 from ..memory.layout import FlatLayout
 from ..memory.pool import BufferPool
@@ -88,6 +89,8 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
                              comm, config.compute_dtype, config.grad_reduce_dtype, pool,
                              sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
                              home=home)
+        if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
+            hostmem.release_free_heap()
 
     if born_sharded:
         old_index = {id(p): i for i, (_, p) in enumerate(named)}
