@@ -282,8 +282,12 @@ def hf_zeropp_and_offload(rank, world_size):
     variants = {"plain": {}, "hpz": {"hpz": True},
                 "zeropp": {"hpz": True, "quantize_weights": True, "quantize_grads": "int8"},
                 "host": {"offload_optimizer": "host"},
-                "disk": {"offload_optimizer": "disk", "offload_dir": os.path.join(root[0], "disk")}}
-    os.makedirs(variants["disk"]["offload_dir"], exist_ok=True)
+                "disk": {"offload_optimizer": "disk", "offload_dir": os.path.join(root[0], "disk")},
+                "params_host": {"offload_optimizer": "host", "offload_params": "host"},
+                "params_disk": {"offload_optimizer": "disk", "offload_params": "disk",
+                                "offload_dir": os.path.join(root[0], "params_disk")}}
+    for name in ("disk", "params_disk"):
+        os.makedirs(variants[name]["offload_dir"], exist_ok=True)
     runs = {}
     try:
         for name, fields in variants.items():

@@ -214,8 +214,9 @@ def test_user_path_with_zeropp_and_offload(runs):
     for r in results:
         c = r["zeropp_offload"]
         assert all(v["checkpointing"] for v in c.values())
-        # hpZ and both offloads change where bytes are, not the maths: plain stage 3's bits.
-        for name in ("hpz", "host", "disk"):
+        # hpZ and the offloads (optimizer, and stage 3's shards too) change where bytes are,
+        # not the maths: plain stage 3's bits.
+        for name in ("hpz", "host", "disk", "params_host", "params_disk"):
             assert c[name]["same_params"] and c[name]["loss_gap"] == 0.0, (name, c[name])
         # hpZ's backward gathers (the recomputation's included) stay inside the node.
         assert c["hpz"]["by_link"]["intra_node"] > 0 and c["plain"]["by_link"]["intra_node"] == 0, c
