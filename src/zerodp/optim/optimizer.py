@@ -456,7 +456,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """After the step or a load: write the masters to the compute parameters and publish."""
         if self.delayed is not None and self.delayed.pending:
             self.settle()  # publishes the update in flight
-            return
+        else:
+            self._publish(phase)
+
+    def _publish(self, phase: str = "step") -> None:
         for shard in self.all_shards():
             shard.write_back()
             shard.storage.publish(phase)
@@ -478,7 +481,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # stages 1-2): an update that raised on one rank raises on every rank.
         raise_if_any_failed(self.comm, self.delayed.wait(), "the delayed optimizer update", "step")
         self.delayed.published()
-        self.sync_params_from_master()
+        self._publish()
 
     # -- reports ------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
