@@ -277,6 +277,9 @@ def crash_during_save(root, rank):
     barrier()
     out["after_rank1_fails"] = {"latest": zerodp.latest(os.path.join(root, "crash")),
                                 "listing": sorted(os.listdir(os.path.join(root, "crash")))}
+    # Every rank has looked before rank 0 starts the next save: without this barrier a slow
+    # rank 1 lists rank 0's next save in progress (its .staging-/.tmp- directory).
+    barrier()
 
     # Rank 0 fails writing COMPLETE (a full disk at the last moment), to a new path and to
     # the path of the previous checkpoint: nothing partial is left, the previous one stays.
