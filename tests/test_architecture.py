@@ -20,7 +20,7 @@ LAYERS = [
     ("zerodp.version", "zerodp.config"),
     ("zerodp.distributed",),
     ("zerodp.memory",),
-    ("zerodp.sharding",),
+    ("zerodp.sharding", "zerodp.tensor_parallel"),
     ("zerodp.schedule",),
     ("zerodp.optim",),
     ("zerodp.checkpoint",),

@@ -13,7 +13,8 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "reduce_each_micro_batch", "cast_buffers", "nonfinite_grads", "replicate_size", "collective_timeout_s",
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
           "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_params",
-          "offload_dir", "delayed_update_after"}
+          "offload_dir", "delayed_update_after", "tensor_parallel_size", "partition_activations",
+          "activations_on_host"}
 
 
 def test_fields_are_pinned():
@@ -61,6 +62,13 @@ BAD = [
     ({"delayed_update_after": 0, "stage": 3, "offload_optimizer": "host", "offload_params": "host"},
      "delayed_update_after", "offload_params='none'"),
     ({"initial_loss_scale": 0}, "initial_loss_scale", "positive"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size", "positive integer"),
+    ({"partition_activations": "yes"}, "partition_activations", "true or false"),
+    ({"activations_on_host": 1}, "activations_on_host", "true or false"),
+    ({"hpz": True, "stage": 3, "tensor_parallel_size": 2}, "hpz", "tensor_parallel_size=1"),
+    ({"replicate_size": 2, "tensor_parallel_size": 2}, "replicate_size", "tensor_parallel_size=1"),
+    ({"offload_optimizer": "host", "stage": 2, "tensor_parallel_size": 2}, "offload_optimizer",
+     "tensor_parallel_size=1"),
 ]
 
 

@@ -28,6 +28,7 @@ from .sharding.model_state import install_state_dict_hooks, install_whole_load_h
 from .sharding.meta_init import default_device, has_meta, materialize
 from .sharding.prepare import check_param_dtypes
 from .sharding.shard import flatten_groups, shard_units
+from .tensor_parallel import parallelize
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
 def _resolve_nodes(config: Config, process_group) -> Config:
     """Config.replicate_size="nodes" as a number: one row of the mesh per torchrun node."""
     distributed = dist.is_available() and dist.is_initialized()
+    if config.tensor_parallel_size > 1 and process_group is not None and process_group != dist.group.WORLD:
+        raise ConfigError(f"Config.tensor_parallel_size={config.tensor_parallel_size} splits every process into "
+                          f"data- and tensor-parallel groups itself: pass no process_group")
     if distributed and dist.get_world_size() > 1 and (config.hpz or config.quantize_grads is not None):
         local = ranks_per_node("Config.hpz / quantize_grads")  # raises here, before any collective
         if dist.get_world_size() % local or (process_group is not None and process_group != dist.group.WORLD):
@@ -120,6 +124,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         raise TypeError(f"config must be a zerodp.Config or a dict, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if config.tensor_parallel_size > 1 and has_meta(model):
+        raise ConfigError(f"Config.tensor_parallel_size={config.tensor_parallel_size}: the model is on the meta "
+                          f"device (built under zerodp.init); tensor parallelism splits real weights: build the "
+                          f"model normally, or without zerodp.init")
     if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
         materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -146,6 +154,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                                             timeout_s=config.collective_timeout_s), ledger=comm.ledger)
     if config.hpz or config.quantize_grads is not None:  # ZeRO++'s hierarchy: the shard axis by node
         comm = Comm(topology=comm.topology.with_node_axes(), ledger=comm.ledger)
+    if config.tensor_parallel_size > 1:  # [Note: tensor-parallel axis]; ZeRO then shards over data ranks
+        comm = Comm(topology=Topology.build_tensor_parallel(config.tensor_parallel_size, comm_device,
+                                                             config.collective_timeout_s), ledger=comm.ledger)
+    tensor_parallel = parallelize(model, comm, config)
 
     if config.stage == 3:
         files = _param_files(config, comm)
@@ -153,7 +165,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             sharded = shard_units(model, named, group_indices, comm, config, files)
             schedule = Stage3Engine(sharded.units, comm, config, sharded.pool, sharded.secondary_pool)
             opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
-                                group_indices=group_indices, stage3=schedule, files=files)
+                                group_indices=group_indices, stage3=schedule, files=files,
+                                tensor_parallel=tensor_parallel)
         except BaseException:
             if files is not None:  # the directory can be used again at once
                 files.close()
@@ -170,7 +183,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
                                     if torch.is_grad_enabled() else None)
         opt = ZeroOptimizer(inner, [[g] for g in flat.groups], comm, config, reducer, trainable=named,
-                            group_indices=group_indices)
+                            group_indices=group_indices, tensor_parallel=tensor_parallel)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))

@@ -172,6 +172,24 @@ class Config:
     stale: this changes the maths; the synchronous steps first are the paper's warm-up).
     None: off. docs/offload.md."""
 
+    tensor_parallel_size: int = 1
+    """Megatron-style tensor parallelism inside each data-parallel rank (docs/tensor_parallel.md):
+    the world is data-parallel x tensor-parallel, tensor-parallel groups are consecutive ranks
+    (keep them inside a node), and ZeRO shards over the data-parallel ranks only. The model's
+    attention and MLP projections, embedding and LM head are split by a plan (the bundled GPT's,
+    or a Hugging Face model's own `base_model_tp_plan`). Must divide the world size."""
+
+    partition_activations: bool = False
+    """ZeRO-R's Pa (arXiv 1910.02054 §6.1): each activation checkpoint of a checkpointed layer
+    (ours or Hugging Face's `gradient_checkpointing_enable()`) is kept as this rank's
+    1/tensor_parallel_size slice and all-gathered over the tensor-parallel ranks just before its
+    recomputation. The results are those without it, bit for bit."""
+
+    activations_on_host: bool = False
+    """ZeRO-R's Pa+cpu: the kept activation checkpoints (partitioned with
+    `partition_activations`) live in host memory (pinned on CUDA) and are copied back ahead of
+    their recomputation."""
+
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
     rank raises an error naming the ranks that did not arrive and the collective each was
@@ -214,6 +232,7 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
         self._check_zeropp()
+        self._check_tensor_parallel()
         if self.offload_optimizer not in OFFLOAD_PLACES:
             raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
         if self.offload_params not in OFFLOAD_PLACES:
@@ -251,6 +270,22 @@ class Config:
             raise _bad("delayed_update_after", after, "the delayed update runs the host optimizer beside the next "
                                                       "step, on its own copy of the gradients: set "
                                                       "offload_optimizer='host' and offload_params='none'")
+
+    def _check_tensor_parallel(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("partition_activations", "activations_on_host"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "use true or false")
+        if self.tensor_parallel_size == 1:
+            return
+        # Each of these splits or sends the shard axis by node, or keeps a copy of it per rank,
+        # in ways not yet worked out over a data-parallel group that skips tensor-parallel ranks.
+        for name, off in (("replicate_size", 1), ("hpz", False), ("quantize_weights", False),
+                          ("quantize_grads", None), ("offload_optimizer", "none")):
+            if getattr(self, name) != off:
+                raise _bad(name, getattr(self, name), f"is not supported with tensor_parallel_size="
+                                                      f"{self.tensor_parallel_size} yet: use {off!r}, or "
+                                                      f"tensor_parallel_size=1")
 
     def _check_zeropp(self) -> None:
         if self.quantize_grads is not None and self.quantize_grads not in QUANTIZED_BITS:

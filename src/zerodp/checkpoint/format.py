@@ -155,3 +155,13 @@ def write_replicated(values: dict, targets: dict) -> None:
     for k, v in values.items():
         t = targets[k]
         t.data.copy_(v.to(device=t.device, dtype=t.dtype))
+
+
+def refuse_tensor_parallel(optimizer, what: str) -> None:
+    """zerodp's checkpoint format names each parameter once, for one data-parallel mesh; under
+    tensor parallelism every tensor-parallel rank holds another slice under the same name."""
+    tp = optimizer.comm.topology.tp_size
+    if tp > 1:
+        raise CheckpointError(f"rank {optimizer.comm.rank}: {what} with Config.tensor_parallel_size={tp} is not "
+                              f"supported: each tensor-parallel rank holds another slice of the same parameters. "
+                              f"Save model.state_dict() and optimizer.state_dict() per tensor-parallel rank instead")

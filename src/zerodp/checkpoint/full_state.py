@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..sharding.model_state import full_unit_tensors
-from .format import PathLike, describe_error, raise_if_failed
+from .format import PathLike, describe_error, raise_if_failed, refuse_tensor_parallel
 
 __all__ = ["full_state_dict", "save_pretrained"]
 
@@ -25,6 +25,7 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
     """The model's state dict with every tensor whole, under the model's own names and
     shapes, in the dtype the model computes in. Collective: every rank calls it; with
     `rank0_only` the other ranks get {} (and hold nothing after each unit's gather)."""
+    refuse_tensor_parallel(optimizer, "zerodp.full_state_dict")
     optimizer.settle()  # a delayed update in flight reaches the parameters first
     keep = not rank0_only or optimizer.comm.rank == 0
 

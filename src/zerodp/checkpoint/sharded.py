@@ -42,6 +42,7 @@ from .format import (
     model_view,
     raise_if_failed,
     rank_file,
+    refuse_tensor_parallel,
     rank_json,
     restore_hyperparameters,
     write_replicated,
@@ -89,6 +90,7 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
     retention.py), and with `keep_last` only that many newest complete checkpoints stay in
     its directory.
     """
+    refuse_tensor_parallel(optimizer, "zerodp.save")
     comm, rank = optimizer.comm, optimizer.comm.rank
     path = os.path.abspath(os.fspath(path))
     # 1. Agree on the temporary directory and on which rank holds which element ranges.
@@ -220,6 +222,7 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
     RNG states are restored only when the world size is unchanged. Raises a
     CheckpointError, on every rank and before changing anything, if the checkpoint is
     missing, incomplete, damaged or of another model (see [Note: validate, then write])."""
+    refuse_tensor_parallel(optimizer, "zerodp.load")
     comm = optimizer.comm
     loaded, meta = None, None
     try:

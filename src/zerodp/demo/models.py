@@ -25,12 +25,14 @@ instead must call ``GPT.tie_weights()`` afterwards.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.c_attn = NormalLinear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         # GPT-2 scales residual projections by 1/sqrt(number of residual layers),
         # two per block, so the residual stream's variance stays bounded with depth.
@@ -139,12 +142,14 @@ class CausalSelfAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # Heads counted from the projection's width, not the config: under tensor parallelism
+        # a rank holds a slice of them ([Note: tensor-parallel layers]).
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -162,6 +167,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
+    # Activation checkpointing as Hugging Face layers have it: `GPT.gradient_checkpointing_enable`
+    # sets both, and zerodp's partitioned checkpoints (Pa) wrap `_gradient_checkpointing_func`.
+    gradient_checkpointing = False
+    _gradient_checkpointing_func = None
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         # Construction order must equal registration order: see
@@ -177,6 +187,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # Megatron's split for zerodp.Config(tensor_parallel_size=...) ([Note: tensor-parallel
+    # layers]): module name pattern -> how it is split.
+    tensor_parallel_plan = {
+        "transformer.wte": "embedding",
+        "transformer.h.*.attn.c_attn": "colwise_packed3",  # q, k and v, each split by heads
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "lm_head": "lm_head",
+    }
+
     def __init__(self, cfg: GPTConfig | str):
         super().__init__()
         cfg = gpt_config(cfg)
@@ -191,6 +212,15 @@ class GPT(nn.Module):
         )
         # Weight tying (Press & Wolf, 2017), as in GPT-2: one Parameter, two modules.
         self.lm_head = TiedLinear(self.transformer.wte.weight)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each block in backward instead of keeping its activations (only its input
+        is kept), with torch.utils.checkpoint; the same call as on a Hugging Face model.
+        `use_reentrant` defaults to False, as torch recommends."""
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        for block in self.transformer.h:
+            block.gradient_checkpointing = True
+            block._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, **kwargs)
 
     def tie_weights(self) -> None:
         """Point ``lm_head.weight`` at the token embedding's Parameter again."""
@@ -226,7 +256,10 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
-            x = block(x)
+            if block.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = block._gradient_checkpointing_func(block.__call__, x)
+            else:
+                x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits, None

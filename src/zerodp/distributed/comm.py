@@ -110,6 +110,8 @@ class Comm:
         if nonfinite is not None:
             t[0] = nonfinite.to(device=self.device, dtype=torch.float64)
         self.all_reduce(t, "control", op=dist.ReduceOp.MAX, label="step agreement")
+        if self.topology.tp_size > 1:  # tensor-parallel ranks step (or skip) together too
+            self.all_reduce(t, "control", op=dist.ReduceOp.MAX, axis="tp", label="step agreement")
         flag, high, neg_low = t.tolist()
         if high != -neg_low:
             self._raise_divergence()

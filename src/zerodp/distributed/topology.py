@@ -32,7 +32,7 @@ from ..config import ConfigError
 __all__ = ["AXES", "Topology"]
 
 # "data" is the whole data-parallel group: both mesh axes together.
-AXES = ("shard", "replicate", "data", "node", "cross_node")
+AXES = ("shard", "replicate", "data", "node", "cross_node", "tp")
 
 # Meshes and zerodp's own process groups already built, by what they were built from, with
 # the group they were built over: initialize may run many times in one process, and each
@@ -61,6 +61,10 @@ class Topology:
     node_group: Optional[dist.ProcessGroup] = None
     cross_node_group: Optional[dist.ProcessGroup] = None
     node_axes: bool = False
+    # Tensor parallelism beside the data-parallel mesh: see [Note: tensor-parallel axis].
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Optional[dist.ProcessGroup] = None
 
     @property
     def node_size(self) -> int:
@@ -77,6 +81,8 @@ class Topology:
         node, size, shard = self.ranks_per_node, self.world_size, self.shard_size
         if axis in ("node", "cross_node"):
             return axis == "cross_node" and self.cross_node_size > 1
+        if self.tp_size > 1:  # nodes are not known over a data-parallel group that skips ranks
+            return False
         if node is None or node >= size:
             return False
         groups = {"shard": [range(r * shard, (r + 1) * shard) for r in range(self.replicate_size)],
@@ -101,16 +107,16 @@ class Topology:
 
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group,
-                "node": self.node_group, "cross_node": self.cross_node_group}[_axis(axis)]
+                "node": self.node_group, "cross_node": self.cross_node_group, "tp": self.tp_group}[_axis(axis)]
 
     def size(self, axis: str) -> int:
         return {"shard": self.shard_size, "replicate": self.replicate_size, "data": self.world_size,
-                "node": self.node_size, "cross_node": self.cross_node_size}[_axis(axis)]
+                "node": self.node_size, "cross_node": self.cross_node_size, "tp": self.tp_size}[_axis(axis)]
 
     def rank_on(self, axis: str) -> int:
         return {"shard": self.shard_rank, "replicate": self.replicate_rank, "data": self.rank,
                 "node": self.shard_rank % self.node_size,
-                "cross_node": self.shard_rank // self.node_size}[_axis(axis)]
+                "cross_node": self.shard_rank // self.node_size, "tp": self.tp_rank}[_axis(axis)]
 
     def with_node_axes(self) -> "Topology":
         """This topology with the shard axis split into ``node`` and ``cross_node`` (ZeRO++),
@@ -131,6 +137,40 @@ class Topology:
         cross = ranks[place::n]
         cross_group = _subgroup(self.shard_group, cross, self.timeout_s) if len(cross) > 1 else None
         return dataclasses.replace(self, node_group=node_group, cross_node_group=cross_group, node_axes=True)
+
+    @classmethod
+    def build_tensor_parallel(cls, tp_size: int, device: Optional[torch.device] = None,
+                              timeout_s: Optional[float] = None) -> "Topology":
+        """[Note: tensor-parallel axis]
+        The world as data-parallel x tensor-parallel, Megatron's order: a tensor-parallel
+        group is `tp_size` consecutive ranks (torchrun numbers ranks node by node, so it
+        stays inside a node when tp_size divides the ranks per node), and the data-parallel
+        group is the ranks with this rank's place in every tensor-parallel group. The
+        data-parallel mesh (and with it ZeRO's shard axis) is built over that group; the
+        ``tp`` axis carries the tensor-parallel layers' all-reduces and all-gathers and Pa's
+        checkpoint gathers. Raises ConfigError if tp_size does not divide the world."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world % tp_size:
+            raise ConfigError(f"Config.tensor_parallel_size={tp_size} does not divide the world size {world}: "
+                              f"use a divisor of {world}")
+        if tp_size == 1:
+            return cls.build(None, device, timeout_s=timeout_s)
+        me = dist.get_rank()
+        data_rank, tp_rank = divmod(me, tp_size)
+        tp_ranks = list(range(data_rank * tp_size, (data_rank + 1) * tp_size))
+        data_ranks = list(range(tp_rank, world, tp_size))
+        world_group = dist.group.WORLD
+        tp_group = _subgroup(world_group, tp_ranks, timeout_s)
+        data_group = _subgroup(world_group, data_ranks, timeout_s) if len(data_ranks) > 1 else None
+        if data_group is None:  # one data-parallel rank: ZeRO shards over nothing
+            backend = dist.get_backend()
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            base = cls(None, torch.device(device), 1, 0, 1, 0, None, None, None, backend, timeout_s)
+        else:
+            base = cls.build(data_group, device)
+            base = dataclasses.replace(base, timeout_s=timeout_s)
+        return dataclasses.replace(base, tp_size=tp_size, tp_rank=tp_rank, tp_group=tp_group)
 
     @classmethod
     def build(cls, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,

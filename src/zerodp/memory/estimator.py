@@ -16,6 +16,15 @@ Table 1 of the paper evaluates these for Ψ = 7.5B, 128B and 1T; GB there means
 1e9 bytes. Activations are not model states; ``activation_bytes`` estimates
 them separately (ZeRO, §3.2).
 
+With tensor parallelism (TP, the paper's MP: Megatron-LM) of degree ``tp_size``
+each rank first holds Ψ / tp_size of the parameters, and ZeRO then partitions
+that slice over the N data-parallel ranks: the formulas above with Ψ / tp_size
+for Ψ, N the data-parallel degree, world = N x tp_size (ZeRO, Table 2: ZeRO-DP
+combined with MP divides the model states by N_d x N_m at stage 3).
+``checkpoint_bytes_per_rank`` and ``pa_allgather_numel`` give the activation
+checkpoints one rank holds with and without partitioning them over the TP ranks
+(Pa, ZeRO §6.1) and what Pa adds to the communication (§8).
+
 The arithmetic is exact (``fractions.Fraction``) so that ``largest_model`` is the
 exact inverse of ``model_state_bytes``.
 """
@@ -48,13 +57,23 @@ TABLE_1_WORLD_SIZES = (1, 4, 16, 64, 256, 1024)
 TABLE_1_STAGES = (1, 2, 3)
 
 
+def _check_ints(**values: int) -> None:
+    """Each value must be an int >= 1 (a bool is not a count)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            hint = " (1 = no tensor parallelism)" if name == "tp_size" else ""
+            raise ValueError(f"{name}={value!r}: must be an int >= 1{hint}")
+
+
 def _check(
-    num_params: float, world_size: int, stage: int, k: float, param_bytes: float, grad_bytes: float
+    num_params: float, world_size: int, stage: int, k: float, param_bytes: float, grad_bytes: float,
+    tp_size: int = 1,
 ) -> None:
     if num_params < 0:
         raise ValueError(f"num_params={num_params}: must be >= 0")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
+    _check_ints(tp_size=tp_size)
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}: must be one of {STAGES}")
     for name, value in (("k", k), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
@@ -78,34 +97,43 @@ def _bytes_per_param(
 
 
 def model_state_bytes(num_params: int, world_size: int, stage: int, k: float = 12, param_bytes: float = 2,
-                      grad_bytes: float = 2) -> float:
-    """Bytes of parameters, gradients and optimizer state on one of ``world_size`` devices."""
-    _check(num_params, world_size, stage, k, param_bytes, grad_bytes)
+                      grad_bytes: float = 2, tp_size: int = 1) -> float:
+    """Bytes of parameters, gradients and optimizer state on one of ``world_size`` devices.
+
+    ``world_size`` is the data-parallel degree N. With ``tp_size`` > 1 each rank's
+    tensor-parallel slice, Ψ / tp_size, is what ZeRO partitions over the N ranks
+    (module docstring); the world is then N x tp_size ranks. The split is the ideal
+    one: Megatron-LM divides the 12h² weights of each block, but replicates the
+    LayerNorms and the biases of the row-parallel layers, a few h per block.
+    """
+    _check(num_params, world_size, stage, k, param_bytes, grad_bytes, tp_size)
     return float(
-        Fraction(num_params) * _bytes_per_param(world_size, stage, k, param_bytes, grad_bytes)
+        Fraction(num_params) / tp_size * _bytes_per_param(world_size, stage, k, param_bytes, grad_bytes)
     )
 
 
 def largest_model(device_bytes: float, world_size: int, stage: int, k: float = 12, param_bytes: float = 2,
-                  grad_bytes: float = 2) -> int:
+                  grad_bytes: float = 2, tp_size: int = 1) -> int:
     """Largest Ψ whose model states fit in ``device_bytes`` per device (ZeRO, §5.4).
 
     Activations and buffers are ignored, as in Table 1 and Figure 1 of the paper.
+    With ``tp_size`` > 1, Ψ is the whole model, of which each rank holds Ψ / tp_size.
     """
-    _check(0, world_size, stage, k, param_bytes, grad_bytes)
+    _check(0, world_size, stage, k, param_bytes, grad_bytes, tp_size)
     if device_bytes < 0:
         raise ValueError(f"device_bytes={device_bytes}: must be >= 0")
     per_param = _bytes_per_param(world_size, stage, k, param_bytes, grad_bytes)
     if per_param == 0:
         raise ValueError("k, param_bytes and grad_bytes are all 0: every model fits")
-    return math.floor(Fraction(device_bytes) / per_param)
+    return math.floor(Fraction(device_bytes) * tp_size / per_param)
 
 
 PLACES = ("device", "host", "disk")
 
 
 def placement_bytes(num_params: int, world_size: int, stage: int, offload: str = "none", k: float = 12,
-                    param_bytes: float = 2, grad_bytes: float = 2, offload_params: str = "none") -> dict:
+                    param_bytes: float = 2, grad_bytes: float = 2, offload_params: str = "none",
+                    tp_size: int = 1) -> dict:
     """Bytes per rank in each place (device, host, disk) with `Config.offload_optimizer`
     = `offload` (docs/offload.md), stages 1-3. K holds the fp32 master (4 bytes) when the
     parameters are 16-bit, and the optimizer's states. "host": the device keeps the
@@ -115,13 +143,14 @@ def placement_bytes(num_params: int, world_size: int, stage: int, offload: str =
     runs; in fp32 the parameters are it) and the states on disk: K Ψ/N.
     `offload_params` (stage 3, Config.offload_params): the parameter and gradient shards,
     (P + G) Ψ/N, leave the device for that place; fp32 shards off the device are their own
-    master, so the host placement then keeps no fp32 copy of them (K Ψ/N, not (8 + K) Ψ/N)."""
-    _check(num_params, world_size, stage, k, param_bytes, grad_bytes)
+    master, so the host placement then keeps no fp32 copy of them (K Ψ/N, not (8 + K) Ψ/N).
+    `tp_size`: Ψ / tp_size per tensor-parallel rank before ZeRO, as in `model_state_bytes`."""
+    _check(num_params, world_size, stage, k, param_bytes, grad_bytes, tp_size)
     if offload not in ("none", "host", "disk") or offload_params not in ("none", "host", "disk"):
         raise ValueError(f"offload={offload!r}, offload_params={offload_params!r}: use 'none', 'host' or 'disk'")
     if offload_params != "none" and (stage != 3 or offload == "none"):
         raise ValueError("offload_params needs stage 3 and an offloaded optimizer (offload='host' or 'disk')")
-    psi, n = Fraction(num_params), world_size
+    psi, n = Fraction(num_params) / tp_size, world_size
     if offload == "none":
         return {"device": float(psi * _bytes_per_param(n, stage, k, param_bytes, grad_bytes)), "host": 0.0,
                 "disk": 0.0}
@@ -142,10 +171,12 @@ def placement_bytes(num_params: int, world_size: int, stage: int, offload: str =
 
 
 def largest_model_placed(world_size: int, stage: int, offload: str, limits: dict, k: float = 12,
-                         param_bytes: float = 2, grad_bytes: float = 2, offload_params: str = "none") -> int:
+                         param_bytes: float = 2, grad_bytes: float = 2, offload_params: str = "none",
+                         tp_size: int = 1) -> int:
     """Largest Ψ whose bytes fit every place's limit in `limits` (bytes per rank by place;
-    a place without a limit is unbounded)."""
-    per = placement_bytes(10**12, world_size, stage, offload, k, param_bytes, grad_bytes, offload_params)
+    a place without a limit is unbounded). With `tp_size` > 1, Ψ is the whole model."""
+    per = placement_bytes(10**12, world_size, stage, offload, k, param_bytes, grad_bytes, offload_params,
+                          tp_size)
     bound = [Fraction(limits[place]) * 10**12 / Fraction(per[place]) for place in PLACES
              if per[place] > 0 and limits.get(place) is not None]
     if not bound:
@@ -172,17 +203,67 @@ def activation_bytes(
     because it also counts the recomputed layer's working set. That working
     set, and attention scores, are not counted here.
     """
-    for name, value in (
-        ("n_layer", n_layer),
-        ("hidden", hidden),
-        ("seq_len", seq_len),
-        ("batch_size", batch_size),
-        ("dtype_bytes", dtype_bytes),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
+    _check_ints(n_layer=n_layer, hidden=hidden, seq_len=seq_len, batch_size=batch_size, dtype_bytes=dtype_bytes)
     per_layer = seq_len * batch_size * hidden * (1 if checkpointing else 12)
     return per_layer * n_layer * dtype_bytes
+
+
+# [Note: Pa padding]
+# Pa (ZeRO, §6.1) keeps 1/tp_size of each activation checkpoint on each tensor-parallel
+# rank instead of the whole replicated checkpoint. A checkpoint of numel elements is cut
+# into tp_size equal partitions of ceil(numel / tp_size) elements, the last one padded,
+# because an all-gather gathers equal pieces: that is also what the engine's memory
+# ledger measures, so these functions count the padding rather than numel / tp_size.
+
+
+def _partition_numel(numel: int, tp_size: int) -> int:
+    return -(-numel // tp_size)  # ceil without floats: numel reaches 1e11 and more
+
+
+def checkpoint_bytes_per_rank(
+    n_layer: int,
+    hidden: int,
+    seq_len: int,
+    batch_size: int,
+    dtype_bytes: int = 2,
+    tp_size: int = 1,
+    partitioned: bool = False,
+) -> int:
+    """Bytes of activation checkpoints one rank holds: one checkpoint per transformer
+    layer, its seq_len x batch x hidden input (ZeRO, §6.1; ``activation_bytes`` with
+    checkpointing counts the same). ``batch_size`` is the micro-batch of one
+    data-parallel rank, which every rank of its tensor-parallel group works on.
+
+    Without partitioning every one of the ``tp_size`` ranks holds every checkpoint whole:
+    n_layer x numel x dtype_bytes, numel = seq_len x batch x hidden, whatever tp_size is.
+    With Pa (``partitioned=True``) each holds ceil(numel / tp_size) elements of each
+    ([Note: Pa padding]): up to padding, the unpartitioned bytes / tp_size. Where they
+    live, device or host (Pa+cpu), does not change the count.
+    """
+    _check_ints(n_layer=n_layer, hidden=hidden, seq_len=seq_len, batch_size=batch_size, dtype_bytes=dtype_bytes,
+                tp_size=tp_size)
+    if not isinstance(partitioned, bool):
+        raise ValueError(f"partitioned={partitioned!r}: must be True (Pa) or False")
+    numel = seq_len * batch_size * hidden
+    held = _partition_numel(numel, tp_size) if partitioned else numel
+    return n_layer * held * dtype_bytes
+
+
+def pa_allgather_numel(n_layer: int, hidden: int, seq_len: int, batch_size: int, tp_size: int = 1) -> int:
+    """Elements all-gathered per step that Pa adds, counted as the comm ledger counts
+    volume (the gathered tensor's elements, ZeRO §7): each checkpoint is gathered once
+    over the tensor-parallel ranks before its recomputation, tp_size padded partitions
+    of ceil(numel / tp_size) ([Note: Pa padding]), so n_layer x ceil(numel / tp_size) x
+    tp_size elements, numel = seq_len x batch x hidden.
+
+    That is one seq x batch x hidden message per block against Megatron-LM's 12 per block
+    (two all-reduces each in forward, recomputation and backward, an all-reduce moving
+    twice its message): 1/12, "less than 10%" of tensor parallelism's own volume
+    (ZeRO, §8). With tp_size = 1 the count is that of a gather over one rank, which
+    moves nothing between ranks (the comm's world-size-1 shortcut records it the same way).
+    """
+    _check_ints(n_layer=n_layer, hidden=hidden, seq_len=seq_len, batch_size=batch_size, tp_size=tp_size)
+    return n_layer * _partition_numel(seq_len * batch_size * hidden, tp_size) * tp_size
 
 
 def params_from_config(path: str | os.PathLike[str]) -> int:
@@ -228,8 +309,11 @@ class MemoryRow:
     model: str
     num_params: int
     world_size: int
+    """The data-parallel degree N; the world is world_size x tp_size ranks."""
     stage: int
     nbytes: float
+    tp_size: int = 1
+    """Tensor-parallel degree: each rank's states are those of Ψ / tp_size parameters."""
 
     @property
     def gb(self) -> float:
@@ -241,11 +325,14 @@ def estimate(
     world_sizes: tuple[int, ...] = TABLE_1_WORLD_SIZES,
     stages: tuple[int, ...] = STAGES,
     k: float = 12,
+    tp_size: int = 1,
 ) -> list[MemoryRow]:
-    """Model-state bytes per device of ``model`` for every world size and stage."""
+    """Model-state bytes per device of ``model`` for every (data-parallel) world size and
+    stage, with ``tp_size`` tensor-parallel ranks under each."""
     label, num_params = resolve_num_params(model)
     return [
-        MemoryRow(label, num_params, n, stage, model_state_bytes(num_params, n, stage, k))
+        MemoryRow(label, num_params, n, stage, model_state_bytes(num_params, n, stage, k, tp_size=tp_size),
+                  tp_size)
         for n in world_sizes
         for stage in stages
     ]
@@ -277,15 +364,17 @@ def format_gb(gb: float) -> str:
 
 
 def format_table(rows: list[MemoryRow]) -> str:
-    """Render rows as a plain-text table: one line per (model, world size), GB per stage."""
+    """Render rows as a plain-text table: one line per (model, world size), GB per stage;
+    a TP column only when some row has tensor parallelism."""
     stages = sorted({r.stage for r in rows})
-    header = ["model", "DP"] + [STAGE_NAMES[s] for s in stages]
-    cells: dict[tuple[str, int], dict[int, str]] = {}
+    with_tp = any(r.tp_size != 1 for r in rows)
+    header = ["model", "DP"] + (["TP"] if with_tp else []) + [STAGE_NAMES[s] for s in stages]
+    cells: dict[tuple[str, int, int], dict[int, str]] = {}
     for r in rows:
-        cells.setdefault((r.model, r.world_size), {})[r.stage] = format_gb(r.gb)
+        cells.setdefault((r.model, r.world_size, r.tp_size), {})[r.stage] = format_gb(r.gb)
     lines = [header] + [
-        [model, str(n)] + [by_stage.get(s, "") for s in stages]
-        for (model, n), by_stage in cells.items()
+        [model, str(n)] + ([str(tp)] if with_tp else []) + [by_stage.get(s, "") for s in stages]
+        for (model, n, tp), by_stage in cells.items()
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
@@ -294,3 +383,40 @@ def format_table(rows: list[MemoryRow]) -> str:
         )
         for line in lines
     )
+
+
+def format_checkpoints(n_layer: int, hidden: int, seq_len: int, batch_size: int, dtype_bytes: int = 2,
+                       tp_size: int = 1, partitioned: bool = False, on_host: bool = False, mark: bool = True) -> str:
+    """Render the checkpoints one rank holds without and with Pa, on the device or (``on_host``:
+    Pa+cpu when ``partitioned``) the host, and what Pa adds to the traffic; ``mark`` stars the
+    row ``partitioned`` chose. Text of `zerodp estimate`, docs/estimator.md."""
+    nbytes = {pa: checkpoint_bytes_per_rank(n_layer, hidden, seq_len, batch_size, dtype_bytes, tp_size, pa)
+              for pa in (False, True)}
+    tp = tp_size
+    lines = [f"activation checkpoints per rank (ZeRO §6.1): {n_layer} layers x one checkpoint of seq {seq_len} x "
+             f"batch {batch_size} x hidden {hidden} (the layer's input; batch per DP rank), {dtype_bytes} bytes "
+             f"each, TP={tp}, kept on the {'host' if on_host else 'device'}",
+             "| checkpoints | device GB | host GB |", "|---|---:|---:|"]
+    for pa, label in ((False, "whole on every TP rank (no Pa)"), (True, f"Pa: 1/{tp} each, padded")):
+        held = format_gb(nbytes[pa] / GB)
+        device, host = ("0", held) if on_host else (held, "0")
+        lines.append(f"| {label}{' *' if mark and pa == partitioned else ''} | {device} | {host} |")
+    if mark:
+        lines.append("* = the flags given" + (" (Pa+cpu)" if on_host and partitioned else ""))
+    if tp == 1:  # Pa over one rank keeps the whole checkpoint and gathers it from nobody
+        lines.append("TP=1: Pa partitions each checkpoint over 1 rank, so it saves nothing and gathers nothing "
+                     "(give --tp-size > 1)")
+    else:
+        gathered = pa_allgather_numel(n_layer, hidden, seq_len, batch_size, tp)
+        # Megatron-LM: 2 all-reduces of seq x batch x hidden in each of forward, recomputation
+        # and backward per layer, an all-reduce moving twice its message (ZeRO §8).
+        megatron = 12 * n_layer * seq_len * batch_size * hidden
+        lines.append(f"Pa adds an all-gather of {gathered:,} elements ({format_gb(gathered * dtype_bytes / GB)} GB) "
+                     f"per step, one gather of each checkpoint before its recomputation (counted as the comm "
+                     f"ledger does, in gathered elements); {100 * gathered / megatron:.1f}% of Megatron's TP "
+                     f"all-reduces, 12 x seq x batch x hidden per layer (ZeRO §8)")
+    if on_host:
+        lines.append(f"host<->device copies: {format_gb(nbytes[partitioned] / GB)} GB out in the forward and back "
+                     f"before the recomputation, per rank per step"
+                     + (" (ZeRO §8: Pa+cpu's added data movement)" if partitioned else ""))
+    return "\n".join(lines)

@@ -23,7 +23,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "secondary_params")
+CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "secondary_params",
+              "activation_checkpoints")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class MemoryReport:
     host_offloaded: int = 0  # of the above, held in host memory by Config.offload_optimizer="host"
     disk_offloaded: int = 0  # of the above, held in files under Config.offload_dir ("disk")
     other_by_owner: tuple = ()  # (holder, bytes) of each part of `other`
+    # Checkpointed layers' saved inputs held now, between a forward and its backward, by
+    # zerodp's checkpoint store (Pa, Pa+cpu: [Note: partitioned activation checkpoints]);
+    # of them, in host memory (Pa+cpu); and the most held at once since the store's last reset.
+    activation_checkpoints: int = 0
+    activation_checkpoints_on_host: int = 0
+    activation_checkpoints_peak: int = 0
 
     @property
     def model_state(self) -> int:
@@ -53,7 +60,8 @@ class MemoryReport:
     @property
     def total(self) -> int:
         """Every byte the engine and optimizer hold."""
-        return self.model_state + self.comm_buffers + self.secondary_params + self.other
+        return (self.model_state + self.comm_buffers + self.secondary_params + self.activation_checkpoints
+                + self.other)
 
     def as_dict(self) -> dict:
         out = asdict(self)

@@ -6,35 +6,77 @@ replicate axis hold the same shard, [Note: mesh axes]), so no gradient is ever g
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from ..distributed import Comm
 
-__all__ = ["global_grad_norm", "local_nonfinite"]
+__all__ = ["global_grad_norm", "local_nonfinite", "replicated_runs"]
 
 
-def global_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, owns_all: bool) -> torch.Tensor:
+def global_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, owns_all: bool,
+                     replicated: Optional[list] = None) -> torch.Tensor:
     """The norm of every rank's gradient pieces together, as torch.nn.utils.clip_grad_norm_
     computes it over the full gradient (fp32). `owns_all`: this rank holds the whole
-    gradient (stage 0, or one rank), so nothing is reduced."""
-    local = [g.float() for g in grads if g.numel()]
+    gradient (stage 0, or one rank), so nothing is reduced over the shard axis.
+
+    Under tensor parallelism each rank's gradient is a slice of the model's, so the sum runs
+    over the ``tp`` axis too; `replicated` gives, per gradient tensor, the runs (start, numel)
+    of parameters every tensor-parallel rank holds alike (norms, row-parallel biases: see
+    `replicated_runs`), which only tensor-parallel rank 0 adds, so each counts once."""
+    axes = ([] if owns_all else ["shard"]) + (["tp"] if comm.topology.tp_size > 1 else [])
+    parts = _counted_parts(grads, replicated, comm.topology.tp_rank)
     if math.isinf(norm_type):
         # torch.amax keeps a nan (Python's max and gloo's MAX may drop it): a nan anywhere
         # makes the norm nan, as torch.nn.utils.clip_grad_norm_ reports it.
-        local_max = float(torch.stack([g.abs().amax() for g in local]).amax()) if local else 0.0
-        if owns_all:
-            total = torch.tensor(local_max, device=comm.device)
-        else:
-            nan_seen = comm.sum_scalar(torch.tensor(local_max * 0.0), axis="shard")  # nan if any rank's is
-            total = torch.tensor(comm.max_scalar(local_max, axis="shard") + float(nan_seen), device=comm.device)
+        local_max = float(torch.stack([g.abs().amax() for g in parts]).amax()) if parts else 0.0
+        nan_seen = 0.0
+        for axis in axes:
+            nan_seen = float(comm.sum_scalar(torch.tensor(local_max * 0.0 + nan_seen), axis=axis))
+            local_max = comm.max_scalar(local_max, axis=axis)
+        total = torch.tensor(local_max + nan_seen, device=comm.device)
     else:
-        local_sum = sum((g.pow(norm_type).sum() for g in local),
+        local_sum = sum((g.pow(norm_type).sum() for g in parts),
                         torch.zeros((), dtype=torch.float64, device=comm.device))
-        if not owns_all:
-            local_sum = comm.sum_scalar(local_sum, axis="shard")
+        for axis in axes:
+            local_sum = comm.sum_scalar(local_sum, axis=axis)
         total = local_sum.to(torch.float64) ** (1.0 / norm_type)
     return total.to(torch.float32)
+
+
+def _counted_parts(grads: list[torch.Tensor], replicated: Optional[list], tp_rank: int) -> list[torch.Tensor]:
+    """The fp32 pieces of `grads` this rank counts in the norm: all of them, less the
+    replicated runs on tensor-parallel ranks other than 0 (for the max they change nothing)."""
+    if replicated is None or tp_rank == 0:
+        return [g.float() for g in grads if g.numel()]
+    parts = []
+    for g, runs in zip(grads, replicated):
+        at = 0
+        for start, numel in runs:
+            parts.append(g[at:start])
+            at = start + numel
+        parts.append(g[at:])
+    return [p.float() for p in parts if p.numel()]
+
+
+def replicated_runs(shards, split_names: frozenset) -> list[list[tuple[int, int]]]:
+    """For every master tensor of `shards` (MasterShards, in order), the runs (start, numel)
+    in it that belong to a parameter tensor parallelism did not split (`split_names` are the
+    split ones). A master tensor is one owned piece of its storage's flat layout."""
+    out = []
+    for shard in shards:
+        st = shard.storage
+        slots = [st.layout.slots[i] for i in st.indices if st.names[i] not in split_names]
+        for piece in st.owned_pieces():
+            runs = []
+            for slot in slots:
+                lo = max(slot.offset, piece.flat_start)
+                hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
+                if lo < hi:
+                    runs.append((lo - piece.flat_start, hi - lo))
+            out.append(sorted(runs))
+    return out
 
 
 def local_nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

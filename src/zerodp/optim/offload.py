@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.agreement import raise_if_any_failed
 from ..memory import hostmem
 from ..memory.diskmem import OffloadDir
 from .master import MasterPlacement
 
-__all__ = ["DiskPlacement", "HostPlacement", "placement_for"]
+__all__ = ["DiskPlacement", "HostPlacement", "placement_for", "raise_offload_failures"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,15 @@ def placement_for(offload: str, device: torch.device, offload_dir=None, rank: in
                                       f"on {device}: use offload_optimizer='host' there")
         return DiskPlacement(files=files if files is not None else OffloadDir(offload_dir, rank))
     return MasterPlacement()
+
+
+def raise_offload_failures(comm, problem, what: str, placement) -> None:
+    """Raise on every rank if any failed to set up its offload directory; this rank's files
+    and lock go first, so that the directory can be used again at once."""
+    try:
+        raise_if_any_failed(comm, problem, what, "init")
+    except Exception:
+        files = getattr(placement, "files", None)
+        if files is not None:
+            files.close()
+        raise

@@ -27,12 +27,12 @@ from ..config import Config
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.ledger import MemoryReport, is_elementwise_state
-from .clipping import global_grad_norm, local_nonfinite
+from .clipping import global_grad_norm, local_nonfinite, replicated_runs
 from .master import MasterShard, ShardStorage, runs_of_bytes
 from .delayed import DelayedUpdate
 from .homes import StateHomes
 from .report import measure
-from .offload import placement_for
+from .offload import placement_for, raise_offload_failures
 from ..distributed.agreement import raise_if_any_failed
 from ..sharding.rows import RowSharding
 from .precision import LossScaler
@@ -54,8 +54,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]],
                  comm: Comm, config: Config, grad_sync, trainable: list, group_indices: list, stage3=None,
-                 files=None):
+                 files=None, tensor_parallel=None):
         self.inner, self.comm, self.config = inner, comm, config
+        # zerodp.tensor_parallel.TensorParallelModel: the split parameters, Pa's checkpoint store.
+        self.tensor_parallel = tensor_parallel
         self.trainable = trainable  # (name, parameter) of everything sharded, as at initialize
         self.param_groups = [{**{k: v for k, v in g.items() if k != "params"},
                               "params": [trainable[i][1] for i in idx]}
@@ -87,7 +89,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise
             problem = e
         if offloaded:
-            self._raise_offload_failures(problem, f"placing the optimizer states ({config.offload_optimizer})")
+            raise_offload_failures(self.comm, problem, f"placing the optimizer states ({config.offload_optimizer})",
+                                   getattr(self, "placement", None))
         for group_storages in storages:  # only after every group's master is built: units span groups
             for s in group_storages:
                 s.drop_initial_fp32()
@@ -115,17 +118,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # included) run once per step in `step`, not once per bucket.
         step = type(inner).step
         self._inner_step_fn = step.__wrapped__ if getattr(step, "hooked", False) else step
-
-    def _raise_offload_failures(self, problem, what: str) -> None:
-        """Raise on every rank if any failed to set up its offload directory; this rank's
-        files and lock go first, so that the directory can be used again at once."""
-        try:
-            raise_if_any_failed(self.comm, problem, what, "init")
-        except Exception:
-            files = getattr(getattr(self, "placement", None), "files", None)
-            if files is not None:
-                files.close()
-            raise
+        self._replicated = (replicated_runs(self.all_shards(), tensor_parallel.split_names)
+                            if tensor_parallel is not None else None)
 
     def all_shards(self) -> list[MasterShard]:
         """Every group's master shards, in order."""
@@ -208,9 +202,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ on DDP would;
         each rank reduces the norm of its shard, so no gradient is gathered."""
         self._prepare_grads()
-        grads = [m.grad for s in self.all_shards() for m in s.master_tensors if m.grad is not None]
+        masters = [m for s in self.all_shards() for m in s.master_tensors]
+        grads = [m.grad if m.grad is not None else m.new_zeros(0) for m in masters]
         norm_type = float(norm_type)
-        total = global_grad_norm(grads, norm_type, self.comm, self._owns_all())
+        total = global_grad_norm(grads, norm_type, self.comm, self._owns_all(), self._replicated)
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
             for g in grads:

@@ -1,0 +1,41 @@
+"""Tensor parallelism beside ZeRO: Megatron's layers over the ``tp`` mesh axis, and ZeRO-R's
+partitioned activation checkpoints (Pa, Pa+cpu). docs/tensor_parallel.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn as nn
+
+from ..config import Config
+from ..distributed import Comm
+from .activations import CheckpointStore
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .plan import apply_tensor_parallel, plan_of
+
+__all__ = ["CheckpointStore", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelModel",
+           "VocabParallelEmbedding", "apply_tensor_parallel", "parallelize", "plan_of"]
+
+
+@dataclass(frozen=True)
+class TensorParallelModel:
+    """What `parallelize` did to a model: the parameters it split over the ``tp`` axis (by
+    name; the rest are replicated there) and the checkpoint store, with Pa or Pa+cpu."""
+
+    split_names: frozenset
+    checkpoints: Optional[CheckpointStore]
+
+
+def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[TensorParallelModel]:
+    """Split `model` in place by its plan (tensor_parallel_size > 1) and install the checkpoint
+    store (partition_activations / activations_on_host); None when neither is asked for."""
+    split = apply_tensor_parallel(model, comm) if config.tensor_parallel_size > 1 else frozenset()
+    store = None
+    # Under tensor parallelism the store also keeps whole checkpoints (no Pa), so that the
+    # ledger counts them either way.
+    if config.tensor_parallel_size > 1 or config.partition_activations or config.activations_on_host:
+        store = CheckpointStore(comm, config.partition_activations, config.activations_on_host)
+        store.install(model)
+    if not split and store is None:
+        return None
+    return TensorParallelModel(split, store)

@@ -1,0 +1,172 @@
+"""ZeRO-R's partitioned activation checkpoints: Pa and Pa+cpu (arXiv 1910.02054 §6.1).
+
+[Note: partitioned activation checkpoints]
+A checkpointed layer keeps only its inputs from forward to backward, and under tensor
+parallelism those inputs (the residual stream) are the same on every tensor-parallel rank:
+N_m copies of each. zerodp takes the layer's checkpoint inputs where torch.utils.checkpoint
+saves them, through `torch.autograd.graph.saved_tensors_hooks` set around the layer's
+checkpointing function (the Hugging Face convention `_gradient_checkpointing_func`, which
+`GPT.gradient_checkpointing_enable` follows too). With either `use_reentrant` mode the only
+tensors saved under those hooks are the inputs: reentrant checkpointing runs the layer under
+no_grad and saves its inputs once it returns; non-reentrant saves them before it installs its
+own hooks for the layer's interior.
+
+- Pa keeps the rank's 1/N_m slice of each input (ceil(numel / N_m) elements, the last slice
+  zero-padded) and, when backward recomputes the layer, all-gathers the slices over the ``tp``
+  axis through `zerodp.comm` (counted: N_m x the slice per checkpoint) and returns the whole
+  input, bit for bit what was saved.
+- Pa+cpu keeps the slice (or, without Pa, the whole input) in host memory, pinned on CUDA;
+  unpacking one checkpoint starts copying back the one backward will need next (the one saved
+  before it), so the copy overlaps the recomputation of this one.
+
+The store counts what it holds, from the tensors themselves: the memory ledger's activation
+categories (device and host), and their peak since `reset_peak()`. Tensors that are not
+floating point, or live on another device than the comm's, are kept whole and counted.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..distributed import Comm
+
+__all__ = ["CheckpointStore"]
+
+
+class _Kept:
+    """One saved checkpoint input, as the store keeps it."""
+
+    __slots__ = ("shape", "numel", "tensor", "partitioned", "on_host", "version", "ready", "__weakref__")
+
+    def __init__(self, shape, numel: int, tensor: torch.Tensor, partitioned: bool, on_host: bool, version: int):
+        self.shape, self.numel, self.tensor = shape, numel, tensor
+        self.partitioned, self.on_host, self.version = partitioned, on_host, version
+        self.ready: Optional[torch.Tensor] = None  # on the device again, copied ahead of its unpack
+
+
+class CheckpointStore:
+    """Saved-tensor hooks for checkpointed layers (Pa with `partition`, Pa+cpu with `on_host`)."""
+
+    def __init__(self, comm: Comm, partition: bool, on_host: bool):
+        self.comm, self.partition, self.on_host = comm, partition, on_host
+        self.size, self.rank = comm.topology.tp_size, comm.topology.tp_rank
+        self.device = comm.device
+        self._live: "weakref.WeakValueDictionary[int, _Kept]" = weakref.WeakValueDictionary()
+        self._by_source: dict[int, tuple] = {}  # id(tensor saved) -> (weakref to it, to its _Kept)
+        self._order = 0
+        self.peak_nbytes = {"device": 0, "host": 0}
+        self._wrappers: "weakref.WeakSet" = weakref.WeakSet()
+        self._layers: list = []
+
+    # -- the hooks -------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Kept:
+        data = t.detach()
+        # A tensor several layers take as input (a rotary table, a mask) is kept once: while
+        # that very tensor lives, its storage cannot have been reused for another.
+        seen = self._by_source.get(id(t))
+        twin = seen[1]() if seen is not None and seen[0]() is t else None
+        if twin is not None and twin.version == t._version:
+            item = _Kept(twin.shape, twin.numel, twin.tensor, twin.partitioned, twin.on_host, twin.version)
+            self._remember(item, t)
+            return item
+        keep_whole = not data.is_floating_point() or data.device != self.device or data.numel() == 0
+        partitioned = self.partition and not keep_whole
+        if partitioned:
+            flat = data.reshape(-1)
+            per = -(-flat.numel() // self.size)
+            lo, hi = min(self.rank * per, flat.numel()), min((self.rank + 1) * per, flat.numel())
+            kept = torch.zeros(per, dtype=data.dtype, device=data.device)
+            kept[: hi - lo].copy_(flat[lo:hi])
+        else:
+            kept = data
+        on_host = self.on_host and not keep_whole
+        if on_host:
+            host = torch.empty(kept.shape, dtype=kept.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+            kept = host.copy_(kept, non_blocking=True)
+        item = _Kept(data.shape, data.numel(), kept, partitioned, on_host, t._version)
+        self._remember(item, t)
+        return item
+
+    def _remember(self, item: _Kept, source: torch.Tensor) -> None:
+        self._order += 1
+        self._live[self._order] = item
+        self._by_source = {k: v for k, v in self._by_source.items() if v[0]() is not None and v[1]() is not None}
+        self._by_source[id(source)] = (weakref.ref(source), weakref.ref(item))
+        self._note_peak()
+
+    def unpack(self, item: _Kept) -> torch.Tensor:
+        self._prefetch_before(item)
+        kept = item.ready if item.ready is not None else self._to_device(item)
+        item.ready = None
+        if not item.partitioned:
+            return kept
+        full = torch.empty(kept.numel() * self.size, dtype=kept.dtype, device=kept.device)
+        self.comm.collectives("tp").all_gather(full, kept, "backward", label="activation checkpoint")
+        return full[: item.numel].view(item.shape)
+
+    def _to_device(self, item: _Kept) -> torch.Tensor:
+        if not item.on_host:
+            return item.tensor
+        # On a CPU run host and device are one memory; the copy still happens, as on CUDA.
+        return item.tensor.to(self.device, non_blocking=True, copy=True)
+
+    def _prefetch_before(self, item: _Kept) -> None:
+        """Pa+cpu: start copying back the checkpoint saved just before `item` (backward needs
+        it next), so that the copy overlaps this one's recomputation."""
+        if not self.on_host:
+            return
+        earlier = [k for k, v in self._live.items() if v is item]
+        if not earlier:
+            return
+        previous = [v for k, v in self._live.items() if k < earlier[0] and v.on_host and v.ready is None]
+        if previous:
+            previous[-1].ready = self._to_device(previous[-1])
+
+    # -- checkpointing functions ------------------------------------------------------
+    def wrap(self, checkpoint_fn):
+        """`checkpoint_fn` (torch.utils.checkpoint.checkpoint or a partial of it) with this
+        store's hooks around it."""
+        store = self
+
+        @functools.wraps(checkpoint_fn)
+        def partitioned(function, *args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
+                return checkpoint_fn(function, *args, **kwargs)
+        self._wrappers.add(partitioned)
+        return partitioned
+
+    def install(self, model: nn.Module) -> None:
+        """Wrap the checkpointing function of every layer that has one now, and of those that
+        get one later (`gradient_checkpointing_enable()` after initialize), before each forward."""
+        self._layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self.wrap_layers()
+        model.register_forward_pre_hook(lambda module, args: self.wrap_layers())
+
+    def wrap_layers(self) -> None:
+        for layer in self._layers:
+            fn = getattr(layer, "_gradient_checkpointing_func", None)
+            if fn is not None and fn not in self._wrappers:
+                layer._gradient_checkpointing_func = self.wrap(fn)
+
+    # -- the ledger -------------------------------------------------------------------
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors kept now, by place ("device", "host")."""
+        out: dict[str, list[torch.Tensor]] = {"device": [], "host": []}
+        for item in list(self._live.values()):
+            out["host" if item.on_host else "device"].append(item.tensor)
+        return out
+
+    def held_nbytes(self) -> dict[str, int]:
+        return {place: sum(t.numel() * t.element_size() for t in {id(t): t for t in ts}.values())
+                for place, ts in self.held_tensors().items()}
+
+    def _note_peak(self) -> None:
+        for place, n in self.held_nbytes().items():
+            self.peak_nbytes[place] = max(self.peak_nbytes[place], n)
+
+    def reset_peak(self) -> None:
+        self.peak_nbytes = dict(self.held_nbytes())

@@ -1,0 +1,153 @@
+"""Megatron's tensor-parallel layers (Shoeybi et al., arXiv 1909.08053 §3), over zerodp's comm.
+
+[Note: tensor-parallel layers]
+A block's first projections are column-parallel (each tensor-parallel rank holds a slice of
+the output features: of the attention heads, of the MLP's hidden units) and its output
+projections row-parallel (a slice of the input features), so the block's interior needs no
+communication. Two conjugate operators bracket it (Megatron's f and g):
+
+- `copy_to_tp` at the block's input: identity forward, all-reduce of the input's gradient
+  backward (each rank's slice contributes a part of it);
+- `reduce_from_tp` at the row-parallel output: all-reduce forward (each rank holds a partial
+  sum), identity backward.
+
+So each attention or MLP sub-block costs one all-reduce forward and one backward. The
+vocabulary-parallel embedding looks up the ids of its slice of the vocabulary (zeros
+elsewhere) and all-reduces; the column-parallel LM head all-gathers the logits, so any loss
+works on them. Every activation outside a block's interior is the same on every
+tensor-parallel rank: parameters that see only those (norms, the row-parallel bias, position
+embeddings) are replicated and get the same gradient on every rank, which data parallelism
+then averages as usual.
+
+The layers own plain tensors, the rank's slice, not DTensors: zerodp flattens parameters into
+its own buffers ([Note: flat layout] in memory/layout.py), which needs plain storage, and
+every collective goes through `zerodp.comm` so the ledger counts it on the ``tp`` axis.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..distributed import Comm
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
+           "gather_from_tp"]
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out, phase, axis="tp", label="tensor parallel")
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm, "backward"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Concatenate every rank's slice along the last dim; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        n, r = comm.topology.tp_size, comm.topology.tp_rank
+        x = x.contiguous()
+        full = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+        comm.collectives("tp").all_gather(full.view(-1), x.view(-1), "forward", label="tensor parallel logits")
+        return full.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, r = ctx.comm.topology.tp_size, ctx.comm.topology.tp_rank
+        return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, comm)
+
+
+def gather_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _GatherFromTP.apply(x, comm)
+
+
+class ColumnParallelLinear(nn.Module):
+    """A Linear holding this rank's slice of the output features. The input is expected in
+    the tensor-parallel region already (its enclosing block's `copy_to_tp`), unless
+    `copy_input`; `gather_output` all-gathers the output slices (the LM head)."""
+
+    def __init__(self, weight: nn.Parameter, bias, comm: Comm, copy_input: bool = False, gather_output: bool = False):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.comm, self.copy_input, self.gather_output = comm, copy_input, gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_tp(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.comm) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"local_out={self.weight.shape[0]}, in={self.weight.shape[1]}, tp={self.comm.topology.tp_size}"
+
+
+class RowParallelLinear(nn.Module):
+    """A Linear holding this rank's slice of the input features; the partial outputs are
+    summed over the tensor-parallel ranks, then the (replicated) bias is added once."""
+
+    def __init__(self, weight: nn.Parameter, bias, comm: Comm):
+        super().__init__()
+        self.weight, self.bias, self.comm = weight, bias, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.comm)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"out={self.weight.shape[0]}, local_in={self.weight.shape[1]}, tp={self.comm.topology.tp_size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding holding this rank's contiguous slice of the vocabulary's rows: ids outside
+    it look up zeros, and the sum over the tensor-parallel ranks is the full lookup."""
+
+    def __init__(self, weight: nn.Parameter, comm: Comm, padding_idx=None):
+        super().__init__()
+        self.weight, self.comm = weight, comm
+        rows = weight.shape[0]
+        self.vocab_start = comm.topology.tp_rank * rows
+        self.vocab_end = self.vocab_start + rows
+        self.padding_idx = padding_idx
+        # nn.Embedding's padding row gets no gradient; so does its slice's, where it holds it.
+        inside = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self._local_padding_idx = padding_idx - self.vocab_start if inside else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight, self._local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(y, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"vocab=[{self.vocab_start}, {self.vocab_end}), dim={self.weight.shape[1]}"

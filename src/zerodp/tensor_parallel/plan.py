@@ -1,0 +1,162 @@
+"""Which modules of a model are split for tensor parallelism, and splitting them in place.
+
+A plan maps module-name patterns (``*`` stands for one name component, e.g. a layer index)
+to a style:
+
+- ``colwise``: a Linear's output features (and bias) are split; its input must already be in
+  the tensor-parallel region: the module enclosing it gets `copy_to_tp` on its input, once
+  for all the column-parallel layers it holds ([Note: tensor-parallel layers]);
+- ``colwise_packed2`` / ``colwise_packed3``: the same for a Linear whose output packs 2 or 3
+  equal projections (GPT-2's fused q, k, v): each is split on its own, so every rank keeps
+  whole heads of each;
+- ``rowwise``: a Linear's input features are split; its outputs are summed over the ranks;
+  the bias is replicated;
+- ``embedding``: an Embedding's vocabulary rows are split;
+- ``lm_head``: a column-parallel Linear over the vocabulary that copies its own input in and
+  all-gathers its output.
+
+The bundled GPT carries its plan (`GPT.tensor_parallel_plan`); any model can, as a class
+attribute of that name. A Hugging Face model without one uses its config's own
+`base_model_tp_plan` (transformers' names: colwise, rowwise, colwise_gather_output,
+embedding, packed_colwise), under the base model's prefix, plus its input embedding and LM
+head. The parameters stay the same `nn.Parameter` objects (their data becomes this rank's
+slice), so an optimizer already built on them and the model's state-dict names stay valid.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..distributed import Comm
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
+
+__all__ = ["plan_of", "apply_tensor_parallel"]
+
+STYLES = ("colwise", "colwise_packed2", "colwise_packed3", "rowwise", "embedding", "lm_head")
+# transformers' style names -> ours; any other is refused, naming it.
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "lm_head",
+             "embedding": "embedding", "packed_colwise": "colwise_packed2"}
+
+
+def plan_of(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan: its own `tensor_parallel_plan`, else a Hugging Face
+    model's `base_model_tp_plan` with its embedding and LM head. Raises ConfigError naming the
+    fix when the model has neither."""
+    own = getattr(model, "tensor_parallel_plan", None)
+    if own is not None:
+        return dict(own)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if not base:
+        raise ConfigError(f"Config.tensor_parallel_size > 1, but {type(model).__name__} has no tensor-parallel plan: "
+                          f"give its class a `tensor_parallel_plan` (module name pattern -> one of {STYLES}), as "
+                          f"zerodp.demo.models.GPT does")
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = bool(prefix) and hasattr(model, prefix)
+    plan = {}
+    for pattern, style in base.items():
+        if style not in HF_STYLES:
+            raise ConfigError(f"{type(model).__name__}'s base_model_tp_plan asks {pattern!r} to be {style!r}, which "
+                              f"zerodp does not split: give the model a `tensor_parallel_plan` with one of {STYLES}")
+        plan[f"{prefix}.{pattern}" if has_base else pattern] = HF_STYLES[style]
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embedding, nn.Embedding):
+        plan[names[id(embedding)]] = "embedding"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear):
+        plan[names[id(head)]] = "lm_head"
+    return plan
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, want = name.split("."), pattern.split(".")
+    return len(parts) == len(want) and all(w in ("*", p) for p, w in zip(parts, want))
+
+
+class _Splitter:
+    """Cuts each parameter once (a tied one, met twice, must be cut the same way)."""
+
+    def __init__(self, comm: Comm):
+        self.size, self.rank = comm.topology.tp_size, comm.topology.tp_rank
+        self.cut: dict[int, tuple] = {}
+
+    def split(self, p: nn.Parameter, dim: int, parts: int, where: str) -> None:
+        how = (dim, parts)
+        if id(p) in self.cut:
+            if self.cut[id(p)] != how:
+                raise ConfigError(f"{where}: its parameter is tied to one split another way: give the tied modules "
+                                  f"styles that split it alike (embedding and lm_head both split rows)")
+            return
+        n = p.shape[dim]
+        if n % (parts * self.size):
+            raise ConfigError(f"{where}: dim {dim} of its {tuple(p.shape)} parameter does not split into {parts} x "
+                              f"{self.size} equal slices: use a tensor_parallel_size that divides "
+                              f"{n // parts} (or pad the model's dimension)")
+        with torch.no_grad():
+            packed = p.data.unflatten(dim, (parts, n // parts))
+            mine = packed.chunk(self.size, dim=dim + 1)[self.rank]
+            p.data = mine.flatten(dim, dim + 1).contiguous().clone()
+        self.cut[id(p)] = how
+
+
+def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | None = None) -> frozenset[str]:
+    """Split `model` in place over the ``tp`` axis of `comm`'s topology; returns the names of
+    the parameters now split (the others are replicated over the tensor-parallel ranks)."""
+    plan = plan_of(model) if plan is None else plan
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"tensor-parallel plan: {pattern!r} -> {style!r} is not a style: use one of {STYLES}")
+    modules = dict(model.named_modules())
+    splitter = _Splitter(comm)
+    regions: dict[int, nn.Module] = {}  # modules whose input enters the tensor-parallel region
+    matched = 0
+    for name, module in list(modules.items()):
+        style = next((s for pat, s in plan.items() if _matches(name, pat)), None)
+        if style is None:
+            continue
+        matched += 1
+        parent_name, _, attr = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, attr, _split(module, style, name, splitter, comm))
+        if style.startswith("colwise"):
+            regions[id(parent)] = parent
+    if not matched:
+        raise ConfigError(f"the tensor-parallel plan of {type(model).__name__} matched no module "
+                          f"(patterns {sorted(plan)}): check the module names")
+    for parent in regions.values():
+        parent.register_forward_pre_hook(lambda m, args, kwargs: _enter_region(m, args, kwargs, comm),
+                                         with_kwargs=True)
+    return frozenset(n for n, p in model.named_parameters() if id(p) in splitter.cut)
+
+
+def _split(module: nn.Module, style: str, name: str, splitter: _Splitter, comm: Comm) -> nn.Module:
+    where = f"tensor-parallel plan: {name} ({style})"
+    if style == "embedding":
+        if not isinstance(module, nn.Embedding):
+            raise ConfigError(f"{where} is a {type(module).__name__}, not an nn.Embedding: fix the plan")
+        splitter.split(module.weight, 0, 1, where)
+        return VocabParallelEmbedding(module.weight, comm, module.padding_idx)
+    if not isinstance(module, nn.Linear):
+        raise ConfigError(f"{where} is a {type(module).__name__}, not an nn.Linear: fix the plan")
+    if style == "rowwise":
+        splitter.split(module.weight, 1, 1, where)
+        return RowParallelLinear(module.weight, module.bias, comm)
+    parts = {"colwise_packed2": 2, "colwise_packed3": 3}.get(style, 1)
+    splitter.split(module.weight, 0, parts, where)
+    if module.bias is not None:
+        splitter.split(module.bias, 0, parts, where)
+    lm_head = style == "lm_head"
+    return ColumnParallelLinear(module.weight, module.bias, comm, copy_input=lm_head, gather_output=lm_head)
+
+
+def _enter_region(module: nn.Module, args: tuple, kwargs: dict, comm: Comm):
+    """The block's input (its first positional tensor, else `hidden_states`) through copy_to_tp."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (copy_to_tp(args[0], comm), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], comm)}
+    raise RuntimeError(f"{type(module).__name__} holds column-parallel layers, so its input enters the "
+                       f"tensor-parallel region, but it was called without a tensor as its first argument or "
+                       f"hidden_states=: give it a tensor-parallel plan whose column-parallel layers copy their input")

@@ -1,0 +1,134 @@
+"""Tensor parallelism with ZeRO at world size 4 (DP x TP = 2 x 2 and 1 x 4), inside one spawned
+world (test_tensor_parallel.py): parity with a single-process model on the same global batch,
+Pa and Pa+cpu bitwise, the activation ledger and the tp axis's collectives."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import zerodp
+from zerodp.demo.models import GPT, GPTConfig
+
+STEPS = 3
+BATCH, SEQ, VOCAB = 2, 16, 64  # per data-parallel rank
+GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
+LAYOUTS = ((2, 2), (1, 4))  # (data-parallel, tensor-parallel)
+PA = {"none": {}, "pa": {"partition_activations": True},
+      "pa_cpu": {"partition_activations": True, "activations_on_host": True}}
+
+
+def build(kind: str, reentrant: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        model = GPT(GPT_CFG)
+    else:
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                          attn_implementation="sdpa")
+        model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model.train()
+
+
+def loss_of(kind: str, model, ids: torch.Tensor) -> torch.Tensor:
+    if kind == "gpt":
+        return model(ids[:, :-1], ids[:, 1:])[1]
+    return model(input_ids=ids, labels=ids).loss
+
+
+def global_batch(step: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (dp * BATCH, SEQ + 1), generator=g)
+
+
+def make_optimizer(name: str):
+    if name == "sgd":  # scale-sensitive: a wrong gradient scale shows
+        return torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}
+    return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def reference(kind: str, opt_name: str, dp: int) -> dict:
+    """One process, the whole global batch, torch's optimizer, clipped as zerodp clips."""
+    model = build(kind)
+    cls, kwargs = make_optimizer(opt_name)
+    opt = cls(model.parameters(), **kwargs)
+    losses = []
+    for step in range(STEPS):
+        loss = loss_of(kind, model, global_batch(step, dp))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def local_params(model) -> dict:
+    with zerodp.gathered_parameters(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(kind: str, opt_name: str, dp: int, tp: int, stage: int, rank: int, reentrant=False, **fields) -> dict:
+    model = build(kind, reentrant)
+    cls, kwargs = make_optimizer(opt_name)
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, unit_min_params=1000, **fields)
+    model, opt = zerodp.initialize(model, cls, cfg, **kwargs)
+    dp_rank = rank // tp
+    losses, ledger = [], None
+    for step in range(STEPS):
+        ids = global_batch(step, dp)[dp_rank * BATCH:(dp_rank + 1) * BATCH]
+        loss = loss_of(kind, model, ids)
+        if step == 0:
+            ledger = {"held": opt.memory_report().activation_checkpoints,
+                      "on_host": opt.memory_report().activation_checkpoints_on_host}
+        opt.backward(loss)
+        if step == 0:
+            ledger["records"] = [(r.op, r.numel, r.nbytes, r.phase, r.axis, r.label)
+                                 for r in opt.comm.ledger.current]
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": local_params(model), "ledger": ledger}
+
+
+def tp_world(rank: int, world_size: int) -> dict:
+    out = {"rank": rank}
+    refs = {}
+    for kind in ("gpt", "llama"):
+        for dp, tp in LAYOUTS:
+            for stage in (0, 1, 2, 3):
+                opt_name = "sgd" if stage % 2 == 0 else "adamw"
+                key = (kind, opt_name, dp)
+                if key not in refs:
+                    refs[key] = reference(kind, opt_name, dp)
+                out[(kind, dp, tp, stage)] = train(kind, opt_name, dp, tp, stage, rank)
+    out["refs"] = refs
+    # Pa and Pa+cpu: the same bits as without, with either use_reentrant mode.
+    for kind in ("gpt", "llama"):
+        for reentrant in (False, True):
+            for name, fields in PA.items():
+                out[("pa", kind, reentrant, name)] = train(kind, "sgd", 2, 2, 3, rank, reentrant, **fields)
+    out[("pa", "gpt", False, "pa_1x4")] = train("gpt", "sgd", 1, 4, 2, rank, False, partition_activations=True)
+    out[("pa", "gpt", False, "none_1x4")] = train("gpt", "sgd", 1, 4, 2, rank, False)
+    return out
+
+
+def expected_slice(name: str, full: torch.Tensor, local: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """The reference parameter's part that tensor-parallel rank `tp_rank` holds: whole where
+    the shapes agree (replicated), else its slice of the dim that was split (GPT's fused
+    q, k, v split each of the three)."""
+    if full.shape == local.shape:
+        return full
+    dim = next(d for d in range(full.dim()) if full.shape[d] != local.shape[d])
+    parts = 3 if "c_attn" in name else 1
+    packed = full.unflatten(dim, (parts, full.shape[dim] // parts))
+    return packed.chunk(tp, dim=dim + 1)[tp_rank].flatten(dim, dim + 1)
+
+
+def max_diff_to_reference(result: dict, ref: dict, tp_rank: int, tp: int) -> float:
+    worst = 0.0
+    for name, local in result["params"].items():
+        want = expected_slice(name, ref["params"][name], local, tp_rank, tp)
+        worst = max(worst, float(((local - want).abs() / (1 + want.abs())).max()))
+    return worst
