@@ -111,6 +111,32 @@ def tp_world(rank: int, world_size: int) -> dict:
                 out[("pa", kind, reentrant, name)] = train(kind, "sgd", 2, 2, 3, rank, reentrant, **fields)
     out[("pa", "gpt", False, "pa_1x4")] = train("gpt", "sgd", 1, 4, 2, rank, False, partition_activations=True)
     out[("pa", "gpt", False, "none_1x4")] = train("gpt", "sgd", 1, 4, 2, rank, False)
+    out["errors"] = bad_input(rank)
+    return out
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_input(rank: int) -> dict:
+    """Each raises on every rank, before any collective could leave a rank waiting."""
+    cfg = zerodp.Config(stage=3, tensor_parallel_size=2)
+    out = {"tp_3_of_4": error_of(lambda: zerodp.initialize(build("gpt"), torch.optim.SGD,
+                                                           zerodp.Config(tensor_parallel_size=3), lr=0.1)),
+           "no_plan": error_of(lambda: zerodp.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.optim.SGD,
+                                                         cfg, lr=0.1))}
+    with zerodp.init(cfg):
+        meta = GPT(GPT_CFG)
+    out["meta"] = error_of(lambda: zerodp.initialize(meta, torch.optim.SGD, cfg, lr=0.1))
+    odd = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=3, n_embd=24)
+    out["heads_3_over_2"] = error_of(lambda: zerodp.initialize(GPT(odd), torch.optim.SGD, cfg, lr=0.1))
+    model, opt = zerodp.initialize(build("gpt"), torch.optim.SGD, cfg, lr=0.1)
+    out["save"] = error_of(lambda: zerodp.save("/nonexistent/tp-ckpt", model, opt))
     return out
 
 

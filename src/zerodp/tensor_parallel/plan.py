@@ -105,6 +105,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | N
     """Split `model` in place over the ``tp`` axis of `comm`'s topology; returns the names of
     the parameters now split (the others are replicated over the tensor-parallel ranks)."""
     plan = plan_of(model) if plan is None else plan
+    _check_heads(model, comm.topology.tp_size)
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"tensor-parallel plan: {pattern!r} -> {style!r} is not a style: use one of {STYLES}")
@@ -129,6 +130,17 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | N
         parent.register_forward_pre_hook(lambda m, args, kwargs: _enter_region(m, args, kwargs, comm),
                                          with_kwargs=True)
     return frozenset(n for n, p in model.named_parameters() if id(p) in splitter.cut)
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    """Column-parallel attention keeps whole heads on each rank: the model's head counts (its
+    config's, as GPTConfig and Hugging Face configs name them) must divide by tp."""
+    config = getattr(model, "config", None)
+    for name in ("n_head", "num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ConfigError(f"Config.tensor_parallel_size={tp}: the model's {name}={heads} does not split into "
+                              f"{tp} equal groups of whole heads: use a tensor_parallel_size that divides {heads}")
 
 
 def _split(module: nn.Module, style: str, name: str, splitter: _Splitter, comm: Comm) -> nn.Module:
