@@ -65,6 +65,7 @@ BAD = [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size", "positive integer"),
     ({"partition_activations": "yes"}, "partition_activations", "true or false"),
     ({"activations_on_host": 1}, "activations_on_host", "true or false"),
+    ({"partition_activations": True}, "partition_activations", "tensor_parallel_size=1 has one"),
     ({"hpz": True, "stage": 3, "tensor_parallel_size": 2}, "hpz", "tensor_parallel_size=1"),
     ({"replicate_size": 2, "tensor_parallel_size": 2}, "replicate_size", "tensor_parallel_size=1"),
     ({"offload_optimizer": "host", "stage": 2, "tensor_parallel_size": 2}, "offload_optimizer",

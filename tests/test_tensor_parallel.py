@@ -125,3 +125,15 @@ def test_bad_input_fails_on_every_rank(results):
         assert "meta device" in e["meta"], e["meta"]
         assert "n_head=3 does not split into 2" in e["heads_3_over_2"], e["heads_3_over_2"]
         assert e["save"].startswith("CheckpointError") and "tensor_parallel_size=2" in e["save"], e["save"]
+        assert "num_key_value_heads=2 does not split into 4" in e["gqa_kv_2_over_4"], e["gqa_kv_2_over_4"]
+        assert "not a plain nn.Embedding" in e["gemma_scaled_embedding"], e["gemma_scaled_embedding"]
+        assert "DTensors span the data-parallel ranks only" in e["state_dict"], e["state_dict"]
+        assert "no layer of the model is checkpointed" in e["pa_without_checkpointing"], e["pa_without_checkpointing"]
+
+
+def test_grouped_query_attention_keeps_each_rank_s_heads_with_their_key_value_heads(results):
+    """Llama with 4 query heads sharing 2 key/value heads at 2 x 2: each rank's 2 query heads
+    go with its 1 key/value head, as in the whole model."""
+    ref = results[0]["refs"][("llama_gqa", "sgd", 2)]
+    for rank, r in enumerate(results):
+        assert max_diff_to_reference(r[("llama_gqa", 2, 2, 3)], ref, rank % 2, 2) <= SGD_TOL

@@ -4,7 +4,7 @@ Pa and Pa+cpu bitwise, the activation ledger and the tp axis's collectives."""
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import zerodp
 from zerodp.demo.models import GPT, GPTConfig
@@ -17,14 +17,16 @@ PA = {"none": {}, "pa": {"partition_activations": True},
       "pa_cpu": {"partition_activations": True, "activations_on_host": True}}
 
 
-def build(kind: str, reentrant: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
+def build(kind: str, reentrant: bool = False, seed: int = 0) -> torch.nn.Module:
+    """The model of `kind` ("gpt", "llama", or "llama_gqa": 4 query heads sharing 2 key/value
+    heads), its blocks checkpointed."""
+    torch.manual_seed(seed)
     if kind == "gpt":
         model = GPT(GPT_CFG)
     else:
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
-                          attn_implementation="sdpa")
+                          num_attention_heads=4, num_key_value_heads=2 if kind == "llama_gqa" else 4,
+                          max_position_embeddings=SEQ, attn_implementation="sdpa")
         model = LlamaForCausalLM(cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model.train()
@@ -69,7 +71,8 @@ def local_params(model) -> dict:
 
 
 def train(kind: str, opt_name: str, dp: int, tp: int, stage: int, rank: int, reentrant=False, **fields) -> dict:
-    model = build(kind, reentrant)
+    # Every rank starts from weights of its own: training starts from rank 0's, as with DDP.
+    model = build(kind, reentrant, seed=rank)
     cls, kwargs = make_optimizer(opt_name)
     cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, unit_min_params=1000, **fields)
     model, opt = zerodp.initialize(model, cls, cfg, **kwargs)
@@ -103,6 +106,8 @@ def tp_world(rank: int, world_size: int) -> dict:
                 if key not in refs:
                     refs[key] = reference(kind, opt_name, dp)
                 out[(kind, dp, tp, stage)] = train(kind, opt_name, dp, tp, stage, rank)
+    refs[("llama_gqa", "sgd", 2)] = reference("llama_gqa", "sgd", 2)
+    out[("llama_gqa", 2, 2, 3)] = train("llama_gqa", "sgd", 2, 2, 3, rank)
     out["refs"] = refs
     # Pa and Pa+cpu: the same bits as without, with either use_reentrant mode.
     for kind in ("gpt", "llama"):
@@ -135,8 +140,18 @@ def bad_input(rank: int) -> dict:
     out["meta"] = error_of(lambda: zerodp.initialize(meta, torch.optim.SGD, cfg, lr=0.1))
     odd = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=3, n_embd=24)
     out["heads_3_over_2"] = error_of(lambda: zerodp.initialize(GPT(odd), torch.optim.SGD, cfg, lr=0.1))
+    out["gqa_kv_2_over_4"] = error_of(lambda: zerodp.initialize(build("llama_gqa"), torch.optim.SGD,
+                                                                 zerodp.Config(stage=3, tensor_parallel_size=4), lr=0.1))
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16))
+    out["gemma_scaled_embedding"] = error_of(lambda: zerodp.initialize(gemma, torch.optim.SGD, cfg, lr=0.1))
     model, opt = zerodp.initialize(build("gpt"), torch.optim.SGD, cfg, lr=0.1)
     out["save"] = error_of(lambda: zerodp.save("/nonexistent/tp-ckpt", model, opt))
+    out["state_dict"] = error_of(lambda: opt.state_dict())
+    bare, _ = zerodp.initialize(GPT(GPT_CFG), torch.optim.SGD, zerodp.Config(
+        tensor_parallel_size=2, partition_activations=True), lr=0.1)  # no layer checkpointed
+    ids = global_batch(0, 1)
+    out["pa_without_checkpointing"] = error_of(lambda: bare(ids[:, :-1], ids[:, 1:]))
     return out
 
 

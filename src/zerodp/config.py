@@ -187,8 +187,8 @@ class Config:
 
     activations_on_host: bool = False
     """ZeRO-R's Pa+cpu: the kept activation checkpoints (partitioned with
-    `partition_activations`) live in host memory (pinned on CUDA) and are copied back ahead of
-    their recomputation."""
+    `partition_activations`, else whole) live in host memory (pinned on CUDA) and are copied
+    back ahead of their recomputation. Needs a checkpointed layer in the model."""
 
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
@@ -277,6 +277,10 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
         if self.tensor_parallel_size == 1:
+            if self.partition_activations:
+                raise _bad("partition_activations", True, "it splits checkpoints over the tensor-parallel ranks, "
+                                                          "and tensor_parallel_size=1 has one: set "
+                                                          "tensor_parallel_size, or use activations_on_host alone")
             return
         # Each of these splits or sends the shard axis by node, or keeps a copy of it per rank,
         # in ways not yet worked out over a data-parallel group that skips tensor-parallel ranks.

@@ -92,8 +92,11 @@ class Topology:
 
     @property
     def name(self) -> str:
-        """The same on every rank of the mesh (its data group's name)."""
-        return self.data_group.group_name if self.data_group is not None else "world"
+        """The same on every rank of the mesh (its data group's name), and another for each
+        data-parallel group beside it (one per tensor-parallel rank)."""
+        if self.data_group is not None:
+            return self.data_group.group_name
+        return f"world-tp{self.tp_rank}" if self.tp_size > 1 else "world"
 
     @property
     def world_size(self) -> int:

@@ -24,8 +24,8 @@ def measure(opt) -> MemoryReport:
     secondary = getattr(opt.grad_sync, "secondary_pool", None)
     census.claim("secondary_params", secondary.allocated if secondary is not None else ())
     store = opt.tensor_parallel.checkpoints if opt.tensor_parallel is not None else None
-    kept = store.held_tensors() if store is not None else {"device": [], "host": []}
-    census.claim("activation_checkpoints", kept["device"] + kept["host"])
+    checkpoints = store.held_tensors() if store is not None else {"device": [], "host": []}
+    census.claim("activation_checkpoints", checkpoints["device"] + checkpoints["host"])
     pool = getattr(opt.grad_sync, "pool", None)
     census.claim("comm_buffers", pool.allocated if pool is not None else ())
     for holder, t in walk_tensors(opt):
@@ -45,7 +45,7 @@ def measure(opt) -> MemoryReport:
                 *(v for p, state in opt.inner.state.items() for v in state.values()
                   if is_elementwise_state(v, p)), *opt.homes.buffers.values()]
         offloaded.claim(opt.placement.kind, (t for t in kept if files is None or files.owns(t)))
-    offloaded.claim("activations_host", kept["host"])
+    offloaded.claim("activations_host", checkpoints["host"])
     by_place = offloaded.by_owner()
     return MemoryReport(
         host_offloaded=by_place.get("host", 0), disk_offloaded=by_place.get("disk", 0),
@@ -53,7 +53,7 @@ def measure(opt) -> MemoryReport:
         numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
         world_size=opt.comm.shard_size, stage=opt.config.stage,  # the N states are divided by
         activation_checkpoints_on_host=by_place.get("activations_host", 0),
-        activation_checkpoints_peak=sum(store.peak_nbytes.values()) if store is not None else 0,
+        activation_checkpoints_peak=store.peak_nbytes if store is not None else 0,
         gathered_params_peak=opt.stage3.gathered_peak_nbytes if opt.stage3 is not None else 0,
         other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
 

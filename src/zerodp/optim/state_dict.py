@@ -128,6 +128,7 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
     """The optimizer's state dict, as the module docstring describes (collective). States
     that the first step would create are created first (`materialize_state`), so that a
     never-stepped optimizer's state dict has every entry a loaded one must fill."""
+    rows.refuse_tensor_parallel("optimizer.state_dict()")
     opt.materialize_state()
     pid_of, pid_of_name = _pid_of(opt)
     scaler = {SCALER_PREFIX + k: torch.tensor(float(v)) for k, v in opt.scaler.state_dict().items()} \
@@ -198,6 +199,7 @@ def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
     """Restore what `sharded_state_dict` returned (or its full form), then publish the
     parameters. A bad state dict raises on every rank (they compare notes first), before
     anything changes."""
+    rows.refuse_tensor_parallel("optimizer.load_state_dict()")
     opt.materialize_state()
     plan, problem = None, None
     try:

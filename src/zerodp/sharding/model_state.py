@@ -58,6 +58,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
     def state_dict_pre_hook(module, prefix, keep_vars):
         asked_for_vars[0] = keep_vars
         if not keep_vars:  # the collective form, called by every rank
+            rows.refuse_tensor_parallel("the stage-3 model's state_dict()")
             settle()
 
     def state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -96,6 +97,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
+        rows.refuse_tensor_parallel("the stage-3 model's load_state_dict()")
         settle()
         todo, problem = [], None
         try:

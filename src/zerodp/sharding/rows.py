@@ -44,6 +44,16 @@ class RowSharding:
         self.sharded = sharded and self.topology.mesh is not None and self.topology.shard_size > 1
         self.rank, self.size = self.topology.shard_rank, self.topology.shard_size
 
+    def refuse_tensor_parallel(self, what: str) -> None:
+        """The rows are DTensors over the data-parallel mesh only: under tensor parallelism
+        each tensor-parallel rank would describe its own slice under the parameter's name as
+        if it were the whole, and torch.distributed.checkpoint would keep one of them."""
+        tp = self.topology.tp_size
+        if tp > 1:
+            raise RuntimeError(f"{what} with Config.tensor_parallel_size={tp} is not supported: its DTensors span "
+                               f"the data-parallel ranks only. Stages 0-2 give each rank's slices as plain tensors "
+                               f"(model.state_dict()); save those per tensor-parallel rank")
+
     def row_range(self, shape: Sequence[int], rank: Optional[int] = None) -> tuple[int, int]:
         """The elements [lo, hi) of the flattened parameter that `rank` holds as a DTensor."""
         numel = math.prod(shape)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from ..config import Config
@@ -29,7 +30,10 @@ class TensorParallelModel:
 def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[TensorParallelModel]:
     """Split `model` in place by its plan (tensor_parallel_size > 1) and install the checkpoint
     store (partition_activations / activations_on_host); None when neither is asked for."""
-    split = apply_tensor_parallel(model, comm) if config.tensor_parallel_size > 1 else frozenset()
+    split = frozenset()
+    if config.tensor_parallel_size > 1:
+        _same_on_every_tp_rank(model, comm)
+        split = apply_tensor_parallel(model, comm)
     store = None
     # Under tensor parallelism the store also keeps whole checkpoints (no Pa), so that the
     # ledger counts them either way.
@@ -39,3 +43,21 @@ def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[Tensor
     if not split and store is None:
         return None
     return TensorParallelModel(split, store)
+
+
+@torch.no_grad()
+def _same_on_every_tp_rank(model: nn.Module, comm: Comm) -> None:
+    """Tensor-parallel rank 0's weights, buffers and random state on every rank of its group,
+    as DDP starts from rank 0's: each rank cuts its slice of the same weights, the replicated
+    ones stay equal, and dropout outside the split layers draws the same numbers."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device == comm.device and t.is_contiguous():
+            comm.broadcast(t.data, 0, "init", axis="tp", label="tensor-parallel start")
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(comm.device)] if comm.device.type == "cuda" else [])
+    for i, state in enumerate(states):
+        shared = state.to(comm.device)
+        comm.broadcast(shared, 0, "init", axis="tp", label="tensor-parallel start")
+        if i == 0:
+            torch.set_rng_state(shared.cpu())
+        else:
+            torch.cuda.set_rng_state(shared.cpu(), comm.device)

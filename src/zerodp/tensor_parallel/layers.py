@@ -144,6 +144,9 @@ class VocabParallelEmbedding(nn.Module):
         self._local_padding_idx = padding_idx - self.vocab_start if inside else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # nn.Embedding raises on an id out of range; masked as "another rank's", it would look up zeros.
+        vocab = self.weight.shape[0] * self.comm.topology.tp_size
+        torch._assert_async(((ids >= 0) & (ids < vocab)).all(), "token id out of range of the embedding")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         y = F.embedding(local, self.weight, self._local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)

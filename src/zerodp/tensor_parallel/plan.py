@@ -24,6 +24,8 @@ slice), so an optimizer already built on them and the model's state-dict names s
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -37,6 +39,9 @@ STYLES = ("colwise", "colwise_packed2", "colwise_packed3", "rowwise", "embedding
 # transformers' style names -> ours; any other is refused, naming it.
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "lm_head",
              "embedding": "embedding", "packed_colwise": "colwise_packed2"}
+
+# Models already split: splitting again would cut the slices.
+_SPLIT: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def plan_of(model: nn.Module) -> dict[str, str]:
@@ -76,13 +81,16 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 class _Splitter:
-    """Cuts each parameter once (a tied one, met twice, must be cut the same way)."""
+    """Cuts each parameter once (a tied one, met twice, must be cut the same way). `plan`
+    checks a cut and records it; `apply` makes every recorded cut, so that a plan that fails
+    part-way leaves the model untouched."""
 
     def __init__(self, comm: Comm):
         self.size, self.rank = comm.topology.tp_size, comm.topology.tp_rank
         self.cut: dict[int, tuple] = {}
+        self.params: list[nn.Parameter] = []
 
-    def split(self, p: nn.Parameter, dim: int, parts: int, where: str) -> None:
+    def plan(self, p: nn.Parameter, dim: int, parts: int, where: str) -> None:
         how = (dim, parts)
         if id(p) in self.cut:
             if self.cut[id(p)] != how:
@@ -94,41 +102,53 @@ class _Splitter:
             raise ConfigError(f"{where}: dim {dim} of its {tuple(p.shape)} parameter does not split into {parts} x "
                               f"{self.size} equal slices: use a tensor_parallel_size that divides "
                               f"{n // parts} (or pad the model's dimension)")
-        with torch.no_grad():
-            packed = p.data.unflatten(dim, (parts, n // parts))
-            mine = packed.chunk(self.size, dim=dim + 1)[self.rank]
-            p.data = mine.flatten(dim, dim + 1).contiguous().clone()
         self.cut[id(p)] = how
+        self.params.append(p)
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                dim, parts = self.cut[id(p)]
+                packed = p.data.unflatten(dim, (parts, p.shape[dim] // parts))
+                mine = packed.chunk(self.size, dim=dim + 1)[self.rank]
+                p.data = mine.flatten(dim, dim + 1).contiguous().clone()
 
 
 def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | None = None) -> frozenset[str]:
     """Split `model` in place over the ``tp`` axis of `comm`'s topology; returns the names of
     the parameters now split (the others are replicated over the tensor-parallel ranks)."""
+    if model in _SPLIT:
+        raise ConfigError(f"this {type(model).__name__} was already split for tensor parallelism: build a new model")
+    own = getattr(model, "tensor_parallel_plan", None) is not None or plan is not None
     plan = plan_of(model) if plan is None else plan
-    _check_heads(model, comm.topology.tp_size)
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"tensor-parallel plan: {pattern!r} -> {style!r} is not a style: use one of {STYLES}")
+    _check_heads(model, comm.topology.tp_size)
     modules = dict(model.named_modules())
     splitter = _Splitter(comm)
-    regions: dict[int, nn.Module] = {}  # modules whose input enters the tensor-parallel region
-    matched = 0
-    for name, module in list(modules.items()):
+    chosen = []  # (name, module, style), checked before anything changes
+    for name, module in modules.items():
         style = next((s for pat, s in plan.items() if _matches(name, pat)), None)
-        if style is None:
-            continue
-        matched += 1
+        if style is not None:
+            _plan_split(module, style, name, splitter)
+            chosen.append((name, module, style))
+    unmatched = [pat for pat in plan if not any(_matches(name, pat) for name, _, _ in chosen)]
+    if not chosen or (own and unmatched):
+        raise ConfigError(f"the tensor-parallel plan of {type(model).__name__} matches no module for "
+                          f"{unmatched or sorted(plan)}: check the module names")
+    splitter.apply()
+    regions: dict[int, nn.Module] = {}  # modules whose input enters the tensor-parallel region
+    for name, module, style in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
-        setattr(parent, attr, _split(module, style, name, splitter, comm))
+        setattr(parent, attr, _parallel_module(module, style, comm))
         if style.startswith("colwise"):
             regions[id(parent)] = parent
-    if not matched:
-        raise ConfigError(f"the tensor-parallel plan of {type(model).__name__} matched no module "
-                          f"(patterns {sorted(plan)}): check the module names")
     for parent in regions.values():
         parent.register_forward_pre_hook(lambda m, args, kwargs: _enter_region(m, args, kwargs, comm),
                                          with_kwargs=True)
+    _SPLIT.add(model)
     return frozenset(n for n, p in model.named_parameters() if id(p) in splitter.cut)
 
 
@@ -143,22 +163,35 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                               f"{tp} equal groups of whole heads: use a tensor_parallel_size that divides {heads}")
 
 
-def _split(module: nn.Module, style: str, name: str, splitter: _Splitter, comm: Comm) -> nn.Module:
+def _plan_split(module: nn.Module, style: str, name: str, splitter: _Splitter) -> None:
+    """Check that `module` can be split as `style` and record its parameters' cuts. Only the
+    plain torch layers: a subclass with a forward of its own (Gemma's scaled embedding) would
+    lose what that forward does."""
     where = f"tensor-parallel plan: {name} ({style})"
+    base = nn.Embedding if style == "embedding" else nn.Linear
+    if not isinstance(module, base) or type(module).forward is not base.forward:
+        raise ConfigError(f"{where} is a {type(module).__name__}, not a plain nn.{base.__name__} (a forward of its "
+                          f"own would be lost): leave it out of the plan, or give the model a plan without it")
     if style == "embedding":
-        if not isinstance(module, nn.Embedding):
-            raise ConfigError(f"{where} is a {type(module).__name__}, not an nn.Embedding: fix the plan")
-        splitter.split(module.weight, 0, 1, where)
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise ConfigError(f"{where}: max_norm, scale_grad_by_freq and sparse are not split: leave it out of "
+                              f"the plan")
+        splitter.plan(module.weight, 0, 1, where)
+    elif style == "rowwise":
+        splitter.plan(module.weight, 1, 1, where)
+    else:
+        parts = {"colwise_packed2": 2, "colwise_packed3": 3}.get(style, 1)
+        splitter.plan(module.weight, 0, parts, where)
+        if module.bias is not None:
+            splitter.plan(module.bias, 0, parts, where)
+
+
+def _parallel_module(module: nn.Module, style: str, comm: Comm) -> nn.Module:
+    """The tensor-parallel layer that takes over `module`'s (already cut) parameters."""
+    if style == "embedding":
         return VocabParallelEmbedding(module.weight, comm, module.padding_idx)
-    if not isinstance(module, nn.Linear):
-        raise ConfigError(f"{where} is a {type(module).__name__}, not an nn.Linear: fix the plan")
     if style == "rowwise":
-        splitter.split(module.weight, 1, 1, where)
         return RowParallelLinear(module.weight, module.bias, comm)
-    parts = {"colwise_packed2": 2, "colwise_packed3": 3}.get(style, 1)
-    splitter.split(module.weight, 0, parts, where)
-    if module.bias is not None:
-        splitter.split(module.bias, 0, parts, where)
     lm_head = style == "lm_head"
     return ColumnParallelLinear(module.weight, module.bias, comm, copy_input=lm_head, gather_output=lm_head)
 
