@@ -54,8 +54,9 @@ def test_a_single_process_has_a_trivial_topology():
     assert t.mesh is None and t.world_size == 1 and t.rank == 0 and t.group("shard") is None
     with pytest.raises(ValueError, match="replicate_size=2 needs that many ranks"):
         Topology.build(None, torch.device("cpu"), replicate_size=2)
-    with pytest.raises(ValueError, match="mesh axis 'tp' is unknown"):
-        t.size("tp")
+    assert t.size("tp") == 1 and t.group("tp") is None  # no tensor parallelism
+    with pytest.raises(ValueError, match="mesh axis 'pipeline' is unknown"):
+        t.size("pipeline")
 
 
 def test_nodes_come_from_torchrun(monkeypatch):

@@ -81,7 +81,7 @@ class Topology:
         node, size, shard = self.ranks_per_node, self.world_size, self.shard_size
         if axis in ("node", "cross_node"):
             return axis == "cross_node" and self.cross_node_size > 1
-        if self.tp_size > 1:  # nodes are not known over a data-parallel group that skips ranks
+        if self.tp_size > 1 or axis == "tp":  # nodes are not known over a data-parallel group that skips ranks
             return False
         if node is None or node >= size:
             return False
