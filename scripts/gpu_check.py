@@ -199,6 +199,34 @@ def check_delayed_update(args, device):
                       delayed_update_after=args.steps - 1)
 
 
+def check_checkpoint_store(args, device):
+    """Activation checkpoints in pinned host memory, copied back on a copy stream
+    (activations_on_host), and with an even number of ranks tensor parallelism over pairs of
+    them with Pa and Pa+cpu: each bit for bit the run without (stage 3, bf16, every block
+    checkpointed). One GPU checks the host copies; two or more also the tp axis on NCCL."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    variants = [("plain", 1, {}), ("on host", 1, {"activations_on_host": True})]
+    if world % 2 == 0:
+        variants += [("tp 2", 2, {}), ("tp 2 Pa", 2, {"partition_activations": True}),
+                     ("tp 2 Pa+cpu", 2, {"partition_activations": True, "activations_on_host": True})]
+    runs = {}
+    for name, tp, extra in variants:
+        cfg = zerodp.Config(stage=3, mixed_precision="bf16", unit_modules=(Block,), tensor_parallel_size=tp, **extra)
+        model = build("tiny", device)
+        model.gradient_checkpointing_enable()
+        model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=LR)
+        losses = [float(zero_step(model, opt, *batch(step, rank // tp, model.config, args.rows, device)))
+                  for step in range(args.steps)]
+        runs[name] = (losses, params_of(model))
+
+    def same(a, b):
+        return runs[a][0] == runs[b][0] and all(torch.equal(runs[a][1][n], runs[b][1][n]) for n in runs[a][1])
+    checks = [("on host", "plain")] + ([("tp 2 Pa", "tp 2"), ("tp 2 Pa+cpu", "tp 2")] if world % 2 == 0 else [])
+    ok = agree_max(float(not all(same(a, b) for a, b in checks)), device) == 0.0
+    log(f"checkpoint store: {', '.join(f'{a} = {b}' for a, b in checks)} bit for bit  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def check_quantize_kernels(args, device):
     """ZeRO++'s blockwise int8/int4 round trip on the device, within max|block| / (2 qmax)."""
     from zerodp.distributed.quantized import dequantize, quantize
@@ -329,6 +357,7 @@ def main():
     cases += [(f"stage 3 bf16 params on {k}", check_param_offload, k) for k in ("host", "disk")]
     cases += [("stage 2 bf16 delayed update", check_delayed_update)]
     cases += [("quantize kernels", check_quantize_kernels)]
+    cases += [("checkpoint store", check_checkpoint_store)]
     cases += [] if args.no_bench else [("bench", bench)]
     results = []
     for name, fn, *fn_args in cases:
