@@ -73,6 +73,9 @@ def offload_grid(rank: int, world_size: int) -> dict:
                 "state_bytes": STATE_BYTES[name], "model_state": rep.model_state,
                 "padded_shard": rep.padded_numel // rep.world_size,
                 "units": len(opt.stage3.units) if opt.stage3 is not None else 0,
+                # [Note: gradient streaming]: every host buffer filled during backward, every step.
+                "streamed": opt.streamer.streamed_pieces,
+                "staged_pieces": STEPS * sum(len(s.grad_staging) for s in opt.all_shards()),
                 # What the files take on disk, from the kernel's side: their sizes.
                 "file_bytes": sum(os.fstat(fd).st_size for *_, fd in files.regions) if files is not None else 0}
     # Accumulation (2 micro-batches) and clipping, fp32 SGD, against DDP: host at stage 2, disk

@@ -126,10 +126,12 @@ class MasterShard:
             if placement.stages_gradients and fp32:
                 self.grad_staging = list(torch.split(placement.allocate(sum(sizes), device), sizes))
 
-    def attach_grads(self, inv_scale: float) -> None:
+    def attach_grads(self, inv_scale: float, streamed: frozenset = frozenset()) -> None:
+        """Each master's fp32 `.grad`, unscaled; the pieces in `streamed` were copied to their
+        staging buffers during backward already ([Note: gradient streaming])."""
         staging = self.grad_staging or [None] * len(self.master_tensors)
-        for m, g, buf in zip(self.master_tensors, self.storage.owned_grads(), staging):
-            m.grad = self.placement.fp32_grad(g, m, buf)
+        for i, (m, g, buf) in enumerate(zip(self.master_tensors, self.storage.owned_grads(), staging)):
+            m.grad = buf.view(m.shape) if i in streamed else self.placement.fp32_grad(g, m, buf)
         self.placement.synchronize()
         if inv_scale != 1.0:
             for m in self.master_tensors:

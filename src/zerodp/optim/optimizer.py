@@ -32,6 +32,7 @@ from .master import MasterShard, ShardStorage, runs_of_bytes
 from .delayed import DelayedUpdate
 from .homes import StateHomes
 from .report import measure
+from .streaming import GradStreamer
 from .offload import placement_for, raise_offload_failures
 from ..distributed.agreement import raise_if_any_failed
 from ..sharding.rows import RowSharding
@@ -120,6 +121,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._inner_step_fn = step.__wrapped__ if getattr(step, "hooked", False) else step
         self._replicated = (replicated_runs(self.all_shards(), tensor_parallel.split_names)
                             if tensor_parallel is not None else None)
+        self.streamer = GradStreamer(self.all_shards() if self.delayed is None else [], self.placement)
+        grad_sync.on_final_grads = self.streamer.on_final_grads  # [Note: gradient streaming]
 
     def all_shards(self) -> list[MasterShard]:
         """Every group's master shards, in order."""
@@ -194,7 +197,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"backward calls per step, {self.grad_sync.micro_step} so far) first")
         inv_scale = 1.0 / self.scaler.scale
         for shard in self.all_shards():
-            shard.attach_grads(inv_scale)
+            shard.attach_grads(inv_scale, self.streamer.take(shard))
         self._grads_prepared = True
 
     @torch.no_grad()
@@ -358,6 +361,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Zero every gradient and start the backward schedule over: after a backward that
         raised too ([Note: failed backward] in schedule/base.py)."""
         self.grad_sync.reset()
+        self.streamer.clear()
         self._grads_prepared = False
         self._norm_this_step = None
         self._zeroed = True

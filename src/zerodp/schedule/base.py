@@ -22,7 +22,7 @@ the failed pass's partial gradients into the next step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -67,6 +67,9 @@ class BackwardSchedule:
         # Buckets or units in the order they were done in the first reducing backward;
         # None once that order is adopted (`adopt_recorded_order`).
         self._recorded: Optional[list[int]] = []
+        # Called with each part whose owned gradient is final for this step (a unit, or a
+        # group and segment): [Note: gradient streaming] in optim/streaming.py.
+        self.on_final_grads: Optional[Callable] = None
 
     @property
     def at_boundary(self) -> bool:

@@ -50,6 +50,7 @@ class _Bucket:
     accumulate: bool = False  # stage 2: add the reduced chunk to the shard (a later micro-batch)
     launched: bool = False  # its reduction was issued in this backward
     replicas_pending: bool = False  # hybrid sharding: its chunk still to be summed over the replicate axis
+    announced: bool = False  # its final gradient was announced ([Note: gradient streaming])
 
 
 class GradReducer(BackwardSchedule):
@@ -95,7 +96,7 @@ class GradReducer(BackwardSchedule):
     def _reset_buckets(self) -> None:
         for b in self.buckets:
             b.pending, b.buffer, b.work, b.launched = self._base_pending[id(b)], None, None, False
-            b.replicas_pending = False
+            b.replicas_pending, b.announced = False, False
         self._filled.clear()
         self._next = 0
 
@@ -191,7 +192,7 @@ class GradReducer(BackwardSchedule):
                                    or self._in_flight[0].work.is_completed()):
             self._finish(self._in_flight.popleft())
 
-    def _finish(self, b: _Bucket) -> None:
+    def _finish(self, b: _Bucket, announce: bool = True) -> None:
         if b.work is not None:
             b.work.wait()
             b.work = None
@@ -212,6 +213,9 @@ class GradReducer(BackwardSchedule):
                 g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(b.buffer[local: local + c.numel])
             self.pool.put(b.buffer)
             b.buffer = None
+        if announce and b.launched and not b.announced and self.at_boundary and self.on_final_grads is not None:
+            b.announced = True
+            self.on_final_grads(g, b.seg_index)  # [Note: gradient streaming]
 
     def _sum_over_replicas(self, b: _Bucket) -> None:
         """The rank's reduced chunk of the bucket, wherever the reduce-scatter left it, summed
@@ -237,9 +241,9 @@ class GradReducer(BackwardSchedule):
             self.buckets = [self.buckets[i] for i in self.adopt_recorded_order(list(range(len(self.buckets))))]
         self._reset_buckets()
 
-    def _wait_all(self) -> None:
+    def _wait_all(self, announce: bool = True) -> None:
         for b in self.buckets:
-            self._finish(b)
+            self._finish(b, announce)
         self._in_flight.clear()
 
     def reset(self) -> None:
@@ -247,7 +251,7 @@ class GradReducer(BackwardSchedule):
         super().reset()
         for b in self.buckets:  # no new collective now: the other ranks may not be reducing
             b.replicas_pending = False
-        self._wait_all()
+        self._wait_all(announce=False)
         self._reset_buckets()
 
     def after_step(self) -> None:

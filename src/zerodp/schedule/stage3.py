@@ -290,6 +290,8 @@ class Stage3Engine(BackwardSchedule):
             self.comm.all_reduce(unit.reduced_chunk(accumulate), "backward", axis="replicate",
                                  label=f"unit {unit.name}")
         unit.finish_reduce(accumulate)
+        if replicas and self.at_boundary and self.on_final_grads is not None:
+            self.on_final_grads(unit)  # [Note: gradient streaming]
 
     def _wait_all(self, replicas: bool = True) -> None:
         for ui, work, accumulate in self._works:
