@@ -49,16 +49,16 @@ def make_optimizer(name: str):
     return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
 
 
-def reference(kind: str, opt_name: str, dp: int) -> dict:
+def reference(kind: str, opt_name: str, dp: int, lr=None, clip=0.5) -> dict:
     """One process, the whole global batch, torch's optimizer, clipped as zerodp clips."""
     model = build(kind)
     cls, kwargs = make_optimizer(opt_name)
-    opt = cls(model.parameters(), **kwargs)
+    opt = cls(model.parameters(), **{**kwargs, **({"lr": lr} if lr is not None else {})})
     losses = []
     for step in range(STEPS):
         loss = loss_of(kind, model, global_batch(step, dp))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -117,7 +117,32 @@ def tp_world(rank: int, world_size: int) -> dict:
     out[("pa", "gpt", False, "pa_1x4")] = train("gpt", "sgd", 1, 4, 2, rank, False, partition_activations=True)
     out[("pa", "gpt", False, "none_1x4")] = train("gpt", "sgd", 1, 4, 2, rank, False)
     out["errors"] = bad_input(rank)
+    out["user_path"] = {name: user_path(rank, **fields) for name, fields in
+                        (("plain", {}), ("pa_cpu", PA["pa_cpu"]))}
+    out["user_path_ref"] = reference("llama", "adamw", 2, lr=1e-3, clip=1.0)
     return out
+
+
+def user_path(rank: int, **fields) -> dict:
+    """A Hugging Face Llama with its own gradient checkpointing (HF's defaults), bf16, two
+    micro-batches per step, clipping, stage 3 at DP x TP = 2 x 2."""
+    model = build("llama", seed=rank)
+    model.gradient_checkpointing_enable()  # HF's defaults, not this file's use_reentrant choice
+    cfg = zerodp.Config(stage=3, mixed_precision="bf16", grad_accumulation_steps=2, tensor_parallel_size=2, **fields)
+    model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-3, weight_decay=0.1)
+    dp_rank, losses = rank // 2, []
+    for step in range(STEPS):
+        ids = global_batch(step, 2)[dp_rank * BATCH:(dp_rank + 1) * BATCH]
+        total = 0.0
+        for micro in range(BATCH):  # one sequence per micro-batch
+            loss = model(input_ids=ids[micro:micro + 1], labels=ids[micro:micro + 1]).loss
+            opt.backward(loss)
+            total += loss.item() / BATCH
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "params": local_params(model)}
 
 
 def error_of(fn) -> str:
