@@ -31,13 +31,14 @@ def global_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, ow
         # torch.amax keeps a nan (Python's max and gloo's MAX may drop it): a nan anywhere
         # makes the norm nan, as torch.nn.utils.clip_grad_norm_ reports it.
         local_max = float(torch.stack([g.abs().amax() for g in parts]).amax()) if parts else 0.0
-        nan_seen = 0.0
+        nan_seen = float(math.isnan(local_max))  # an inf stays inf (inf x 0 would be nan)
         for axis in axes:
-            nan_seen = float(comm.sum_scalar(torch.tensor(local_max * 0.0 + nan_seen), axis=axis))
-            local_max = comm.max_scalar(local_max, axis=axis)
-        total = torch.tensor(local_max + nan_seen, device=comm.device)
+            nan_seen = float(comm.sum_scalar(torch.tensor(nan_seen), axis=axis))
+            local_max = comm.max_scalar(0.0 if math.isnan(local_max) else local_max, axis=axis)
+        total = torch.tensor(math.nan if nan_seen else local_max, device=comm.device)
     else:
-        local_sum = sum((g.pow(norm_type).sum() for g in parts),
+        # |g|^p: an odd p of a negative element would subtract (p = 2 needs no abs).
+        local_sum = sum(((g.pow(2) if norm_type == 2 else g.abs().pow(norm_type)).sum() for g in parts),
                         torch.zeros((), dtype=torch.float64, device=comm.device))
         for axis in axes:
             local_sum = comm.sum_scalar(local_sum, axis=axis)

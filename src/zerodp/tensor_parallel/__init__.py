@@ -11,10 +11,10 @@ import torch.nn as nn
 from ..config import Config
 from ..distributed import Comm
 from .activations import CheckpointStore
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
 from .plan import apply_tensor_parallel, plan_of
 
-__all__ = ["CheckpointStore", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelModel",
+__all__ = ["CheckpointStore", "ColumnParallelLinear", "RegionEntry", "RowParallelLinear", "TensorParallelModel",
            "VocabParallelEmbedding", "apply_tensor_parallel", "parallelize", "plan_of"]
 
 

@@ -6,8 +6,10 @@ the output features: of the attention heads, of the MLP's hidden units) and its 
 projections row-parallel (a slice of the input features), so the block's interior needs no
 communication. Two conjugate operators bracket it (Megatron's f and g):
 
-- `copy_to_tp` at the block's input: identity forward, all-reduce of the input's gradient
-  backward (each rank's slice contributes a part of it);
+- `copy_to_tp` at each column-parallel layer's input: identity forward, all-reduce of the
+  input's gradient backward (each rank's slice contributes a part of it). Layers fed the very
+  same tensor (q, k and v; gate and up) share one copy (`RegionEntry`), so their summed input
+  gradient is all-reduced once;
 - `reduce_from_tp` at the row-parallel output: all-reduce forward (each rank holds a partial
   sum), identity backward.
 
@@ -25,14 +27,16 @@ every collective goes through `zerodp.comm` so the ledger counts it on the ``tp`
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import Comm
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
-           "gather_from_tp"]
+__all__ = ["ColumnParallelLinear", "RegionEntry", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp",
+           "reduce_from_tp", "gather_from_tp"]
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
@@ -92,19 +96,42 @@ def gather_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _GatherFromTP.apply(x, comm)
 
 
-class ColumnParallelLinear(nn.Module):
-    """A Linear holding this rank's slice of the output features. The input is expected in
-    the tensor-parallel region already (its enclosing block's `copy_to_tp`), unless
-    `copy_input`; `gather_output` all-gathers the output slices (the LM head)."""
+class RegionEntry:
+    """Megatron's f (`copy_to_tp`), once per input tensor: the column-parallel layers of one
+    model share this, so those fed the very same tensor object in one pass share one copy and
+    one all-reduce of their summed input gradient. Held weakly: an entry lives while both
+    the input and its copy do (the copy, while autograd keeps it for the layers' backward)."""
 
-    def __init__(self, weight: nn.Parameter, bias, comm: Comm, copy_input: bool = False, gather_output: bool = False):
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self._copies: dict[int, tuple] = {}  # id(input) -> (weakref input, weakref copy, grad mode)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        seen = self._copies.get(id(x))
+        if seen is not None and seen[0]() is x and seen[2] == grad:
+            copy = seen[1]()
+            if copy is not None:
+                return copy
+        copy = copy_to_tp(x, self.comm)
+        if len(self._copies) > 64:  # dead entries of earlier passes
+            self._copies = {k: v for k, v in self._copies.items() if v[0]() is not None and v[1]() is not None}
+        self._copies[id(x)] = (weakref.ref(x), weakref.ref(copy), grad)
+        return copy
+
+
+class ColumnParallelLinear(nn.Module):
+    """A Linear holding this rank's slice of the output features; its input enters the
+    tensor-parallel region through `region` (Megatron's f); `gather_output` all-gathers the
+    output slices (the LM head)."""
+
+    def __init__(self, weight: nn.Parameter, bias, region: RegionEntry, gather_output: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.comm, self.copy_input, self.gather_output = comm, copy_input, gather_output
+        self.comm, self.region, self.gather_output = region.comm, region, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copy_input:
-            x = copy_to_tp(x, self.comm)
+        x = self.region(x)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.comm) if self.gather_output else y
 

@@ -3,17 +3,16 @@
 A plan maps module-name patterns (``*`` stands for one name component, e.g. a layer index)
 to a style:
 
-- ``colwise``: a Linear's output features (and bias) are split; its input must already be in
-  the tensor-parallel region: the module enclosing it gets `copy_to_tp` on its input, once
-  for all the column-parallel layers it holds ([Note: tensor-parallel layers]);
+- ``colwise``: a Linear's output features (and bias) are split; its input enters the
+  tensor-parallel region (`copy_to_tp`, shared by the layers fed the same tensor:
+  [Note: tensor-parallel layers]);
 - ``colwise_packed2`` / ``colwise_packed3``: the same for a Linear whose output packs 2 or 3
   equal projections (GPT-2's fused q, k, v): each is split on its own, so every rank keeps
   whole heads of each;
 - ``rowwise``: a Linear's input features are split; its outputs are summed over the ranks;
   the bias is replicated;
 - ``embedding``: an Embedding's vocabulary rows are split;
-- ``lm_head``: a column-parallel Linear over the vocabulary that copies its own input in and
-  all-gathers its output.
+- ``lm_head``: a column-parallel Linear over the vocabulary that all-gathers its output.
 
 The bundled GPT carries its plan (`GPT.tensor_parallel_plan`); any model can, as a class
 attribute of that name. A Hugging Face model without one uses its config's own
@@ -31,7 +30,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..distributed import Comm
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
+from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = ["plan_of", "apply_tensor_parallel"]
 
@@ -138,16 +137,11 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | N
         raise ConfigError(f"the tensor-parallel plan of {type(model).__name__} matches no module for "
                           f"{unmatched or sorted(plan)}: check the module names")
     splitter.apply()
-    regions: dict[int, nn.Module] = {}  # modules whose input enters the tensor-parallel region
+    region = RegionEntry(comm)
     for name, module, style in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
-        setattr(parent, attr, _parallel_module(module, style, comm))
-        if style.startswith("colwise"):
-            regions[id(parent)] = parent
-    for parent in regions.values():
-        parent.register_forward_pre_hook(lambda m, args, kwargs: _enter_region(m, args, kwargs, comm),
-                                         with_kwargs=True)
+        setattr(parent, attr, _parallel_module(module, style, comm, region))
     _SPLIT.add(model)
     return frozenset(n for n, p in model.named_parameters() if id(p) in splitter.cut)
 
@@ -186,22 +180,10 @@ def _plan_split(module: nn.Module, style: str, name: str, splitter: _Splitter) -
             splitter.plan(module.bias, 0, parts, where)
 
 
-def _parallel_module(module: nn.Module, style: str, comm: Comm) -> nn.Module:
+def _parallel_module(module: nn.Module, style: str, comm: Comm, region: RegionEntry) -> nn.Module:
     """The tensor-parallel layer that takes over `module`'s (already cut) parameters."""
     if style == "embedding":
         return VocabParallelEmbedding(module.weight, comm, module.padding_idx)
     if style == "rowwise":
         return RowParallelLinear(module.weight, module.bias, comm)
-    lm_head = style == "lm_head"
-    return ColumnParallelLinear(module.weight, module.bias, comm, copy_input=lm_head, gather_output=lm_head)
-
-
-def _enter_region(module: nn.Module, args: tuple, kwargs: dict, comm: Comm):
-    """The block's input (its first positional tensor, else `hidden_states`) through copy_to_tp."""
-    if args and isinstance(args[0], torch.Tensor):
-        return (copy_to_tp(args[0], comm), *args[1:]), kwargs
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], comm)}
-    raise RuntimeError(f"{type(module).__name__} holds column-parallel layers, so its input enters the "
-                       f"tensor-parallel region, but it was called without a tensor as its first argument or "
-                       f"hidden_states=: give it a tensor-parallel plan whose column-parallel layers copy their input")
+    return ColumnParallelLinear(module.weight, module.bias, region, gather_output=style == "lm_head")

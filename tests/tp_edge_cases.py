@@ -1,0 +1,366 @@
+"""Edge cases of tensor parallelism with ZeRO, at world size 4 (DP x TP = 2 x 2) inside one
+spawned world (test_tensor_parallel_edges.py): clipping with the inf-, 2- and 1-norm against
+torch's clip_grad_norm_ on one process; a nan/inf on one tensor-parallel rank skipping the
+step everywhere (fp32 under nonfinite_grads="skip", and fp16); Pa and Pa+cpu for layers that
+take two tensor inputs, checkpointed through a model-level `_gradient_checkpointing_func`,
+with dropout in the replicated region; an in-place change to a checkpointed input.
+
+Every rank builds its model from a seed of its own: initialize must start all of them from
+rank 0's weights (and tensor-parallel rank 0's random state)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import zerodp
+from zerodp.demo.models import GPT, GPTConfig
+
+DP, TP = 2, 2
+LR = 0.5  # plain SGD: every element's update is lr x its (clipped) gradient, so a wrong scale shows
+STEPS = 2
+
+# The bundled GPT: clipping and the non-finite cases.
+BATCH, SEQ, VOCAB = 2, 16, 64  # per data-parallel rank
+GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
+# Below every norm of this model's gradient (2-norm ~1.5, inf-norm ~0.15-0.26, 1-norm ~104), so each clips.
+MAX_NORM = 0.05
+NORMS = {"2": 2.0, "inf": float("inf"), "1": 1.0}
+# (norm, stage); the 1-norm at stage 3 only: its fault is not the stage's.
+CLIP_CASES = (("2", 0), ("2", 3), ("inf", 0), ("inf", 3), ("1", 3))
+# The split weight whose gradient is poisoned on tensor-parallel rank 1 only.
+POISONED = "transformer.h.1.mlp.c_fc.weight"
+# (stage, how, clip) of the fp32 non-finite cases: see nonfinite_run.
+NONFINITE = tuple((0, how, clip) for how, clip in (("loss", None), ("grad", None), ("grad", 2.0),
+                                                   ("grad", float("inf")), ("grad_inf", float("inf")))) + (
+    (3, "loss", None), (3, "grad", None), (3, "grad", 2.0), (3, "grad_inf", float("inf")))
+
+# The two-input model: odd sizes, so Pa's slices are padded (105 = 3 x 5 x 7 elements per
+# layer input, 35 in the gate: ceil(105 / 2) = 53 and ceil(35 / 2) = 18 kept per rank).
+TWO_BATCH, TWO_SEQ, TWO_HIDDEN, TWO_INNER, TWO_LAYERS, TWO_VOCAB = 3, 5, 7, 8, 2, 16
+DROPOUT = 0.2
+PA = {"none": {}, "pa": {"partition_activations": True},
+      "pa_cpu": {"partition_activations": True, "activations_on_host": True}}
+
+
+def local_params(model) -> dict:
+    with zerodp.gathered_parameters(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def slice_of(name: str, full: torch.Tensor, local: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """The part of a one-process parameter that tensor-parallel rank `tp_rank` holds: whole
+    where the shapes agree (replicated), else its slice of the dim that was split (GPT's fused
+    q, k, v: each of the three). tp_cases.expected_slice does the same, but importing
+    tp_cases imports transformers: 11 s on this 2-core machine."""
+    if full.shape == local.shape:
+        return full
+    dim = next(d for d in range(full.dim()) if full.shape[d] != local.shape[d])
+    parts = 3 if "c_attn" in name else 1
+    packed = full.unflatten(dim, (parts, full.shape[dim] // parts))
+    return packed.chunk(TP, dim=dim + 1)[tp_rank].flatten(dim, dim + 1)
+
+
+def max_diff_to_reference(result: dict, ref: dict, tp_rank: int) -> float:
+    """Worst elementwise |local - reference slice| / (1 + |reference|) over the parameters."""
+    return max(float(((local - want).abs() / (1 + want.abs())).max())
+               for name, local in result["params"].items()
+               for want in [slice_of(name, ref["params"][name], local, tp_rank)])
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# -- the bundled GPT ----------------------------------------------------------------------
+def gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPT_CFG)
+    model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def gpt_batch(step: int, dp_rank=None) -> torch.Tensor:
+    """The global batch of `step`, or data-parallel rank `dp_rank`'s slice of it."""
+    ids = torch.randint(0, VOCAB, (DP * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2000 + step))
+    return ids if dp_rank is None else ids[dp_rank * BATCH:(dp_rank + 1) * BATCH]
+
+
+def gpt_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids[:, :-1], ids[:, 1:])[1]
+
+
+def gpt_zero(rank: int, stage: int, **fields):
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=TP, unit_min_params=1000, **fields)
+    return zerodp.initialize(gpt(seed=rank), torch.optim.SGD, cfg, lr=LR)
+
+
+def clip_reference(norm_type: float) -> dict:
+    """One process, the global batch, torch's clip_grad_norm_ and SGD."""
+    model = gpt(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = []
+    for step in range(STEPS):
+        gpt_loss(model, gpt_batch(step)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)))
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def clip_run(rank: int, stage: int, norm_type: float) -> dict:
+    model, opt = gpt_zero(rank, stage)
+    norms = []
+    for step in range(STEPS):
+        opt.backward(gpt_loss(model, gpt_batch(step, opt.comm.rank)))
+        norms.append(float(opt.clip_grad_norm_(MAX_NORM, norm_type=norm_type)))
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "params": local_params(model), "dp_rank": opt.comm.rank}
+
+
+def poison(value: float):
+    """A gradient hook putting `value` in one element (the rest stay finite)."""
+    def hook(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+    return hook
+
+
+def nonfinite_run(rank: int, stage: int, how: str, clip, precision: str = "fp32") -> dict:
+    """One step with a nan on tensor-parallel rank 1 of data-parallel rank 0 (global rank 1),
+    then a clean step. `how`: "loss" multiplies that rank's loss by nan (the nan reaches its
+    tensor-parallel and data-parallel peers through the collectives anyway); "grad" / "grad_inf"
+    put a nan / inf in one element of that rank's slice of a split weight's gradient, which only
+    its data-parallel peer (rank 3) sees: ranks 0 and 2 learn of it from the step agreement over
+    the tp axis alone. `clip`: None, or the norm type clip_grad_norm_ runs with first."""
+    model, opt = gpt_zero(rank, stage, mixed_precision=precision, nonfinite_grads="skip")
+    before = local_params(model)
+    scale = opt.scaler.scale
+    loss = gpt_loss(model, gpt_batch(0, opt.comm.rank))
+    handle = None
+    if rank == 1 and how == "loss":
+        loss = loss * float("nan")
+    elif rank == 1:
+        handle = dict(model.named_parameters())[POISONED].register_hook(
+            poison(float("inf") if how == "grad_inf" else float("nan")))
+    opt.backward(loss)
+    if handle is not None:
+        handle.remove()
+    out = {}
+    if stage == 0:  # the premise: which ranks hold a non-finite gradient before the step
+        out["local_nonfinite"] = any(not torch.isfinite(p.grad).all() for p in model.parameters()
+                                     if p.grad is not None)
+    out["norm"] = float(opt.clip_grad_norm_(1.0, norm_type=clip)) if clip is not None else None
+    opt.step()
+    after = local_params(model)
+    out.update(skipped_steps=opt.skipped_steps, was_skipped=opt.step_was_skipped, scale=opt.scaler.scale,
+               scale_before=scale, unchanged=all(torch.equal(before[n], after[n]) for n in before))
+    opt.zero_grad()
+    opt.backward(gpt_loss(model, gpt_batch(1, opt.comm.rank)))
+    opt.step()
+    opt.zero_grad()
+    later = local_params(model)
+    out.update(later_skipped_steps=opt.skipped_steps, later_was_skipped=opt.step_was_skipped,
+               later_changed=any(not torch.equal(after[n], later[n]) for n in after), params=later)
+    return out
+
+
+# -- a model whose checkpointed layers take two tensors -------------------------------------
+class GatedMLP(nn.Module):
+    """fc column-, proj row-parallel: its input enters the tensor-parallel region."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(TWO_HIDDEN, TWO_INNER)
+        self.proj = nn.Linear(TWO_INNER, TWO_HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(h)))
+
+
+class GatedLayer(nn.Module):
+    """x + dropout(mlp(norm(x) * gate)); the dropout acts in the replicated region."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(TWO_HIDDEN)
+        self.mlp = GatedMLP()
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.mlp(self.norm(x) * gate))
+
+
+class FlatGatedLayer(nn.Module):
+    """The same computation with the projections held by the layer itself, so the layer is
+    the module that encloses the column-parallel fc."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(TWO_HIDDEN)
+        self.fc = nn.Linear(TWO_HIDDEN, TWO_INNER)
+        self.proj = nn.Linear(TWO_INNER, TWO_HIDDEN)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.proj(F.gelu(self.fc(self.norm(x) * gate))))
+
+
+class TwoInputNet(nn.Module):
+    """Checkpointing as older Hugging Face base models have it: the model itself carries
+    `gradient_checkpointing` and `_gradient_checkpointing_func`, and calls the latter on each
+    layer with two tensor inputs: the residual stream and a gate, one tensor (from a learned,
+    replicated parameter) shared by every layer."""
+
+    gradient_checkpointing = False
+    _gradient_checkpointing_func = None
+    tensor_parallel_plan = {"embed": "embedding", "layers.*.mlp.fc": "colwise", "layers.*.mlp.proj": "rowwise",
+                            "head": "lm_head"}
+    layer_class = GatedLayer
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(TWO_VOCAB, TWO_HIDDEN)
+        self.gate = nn.Parameter(torch.randn(TWO_SEQ, TWO_HIDDEN))
+        self.drop = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(self.layer_class(dropout) for _ in range(TWO_LAYERS))
+        self.norm = nn.LayerNorm(TWO_HIDDEN)
+        self.head = nn.Linear(TWO_HIDDEN, TWO_VOCAB, bias=False)
+        self.mutate_inputs = False  # change each layer's input in place once the layer has run
+
+    def gradient_checkpointing_enable(self, use_reentrant: bool) -> None:
+        self.gradient_checkpointing = True
+        self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                              use_reentrant=use_reentrant)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.embed(ids))
+        gate = torch.sigmoid(self.gate)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                out = self._gradient_checkpointing_func(layer.__call__, x, gate)
+            else:
+                out = layer(x, gate)
+            if self.mutate_inputs:
+                x.mul_(2.0)
+            x = out
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class FlatTwoInputNet(TwoInputNet):
+    """Its layers hold fc and proj themselves: the plan is as valid, but the module enclosing
+    the column-parallel fc is the layer, whose norm and gate act before fc."""
+
+    tensor_parallel_plan = {"embed": "embedding", "layers.*.fc": "colwise", "layers.*.proj": "rowwise",
+                            "head": "lm_head"}
+    layer_class = FlatGatedLayer
+
+
+MODELS = {"nested": TwoInputNet, "flat": FlatTwoInputNet}
+
+
+def two_input_net(seed: int, dropout: float, reentrant=None, kind: str = "nested") -> TwoInputNet:
+    torch.manual_seed(seed)
+    model = MODELS[kind](dropout)
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(reentrant)
+    return model.train()
+
+
+def two_batch(step: int, dp_rank=None) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, TWO_VOCAB, (DP * TWO_BATCH, TWO_SEQ + 1), generator=torch.Generator().manual_seed(
+        3000 + step))
+    if dp_rank is not None:
+        ids = ids[dp_rank * TWO_BATCH:(dp_rank + 1) * TWO_BATCH]
+    return ids[:, :-1], ids[:, 1:]
+
+
+def two_input_reference(kind: str) -> dict:
+    model = two_input_net(seed=0, dropout=0.0, reentrant=False, kind=kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*two_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def two_input_run(rank: int, dropout: float, reentrant: bool, late_enable: bool = False, kind: str = "nested",
+                  **fields) -> dict:
+    """Stage 3 at 2 x 2; the ledger read right after the first forward. `late_enable`:
+    checkpointing is switched on after initialize (the store must wrap it at the forward)."""
+    model = two_input_net(seed=rank, dropout=dropout, reentrant=None if late_enable else reentrant, kind=kind)
+    cfg = zerodp.Config(stage=3, tensor_parallel_size=TP, unit_min_params=50, **fields)
+    model, opt = zerodp.initialize(model, torch.optim.SGD, cfg, lr=LR)
+    if late_enable:
+        model.gradient_checkpointing_enable(reentrant)
+    losses, ledger = [], None
+    for step in range(STEPS):
+        loss = model(*two_batch(step, opt.comm.rank))
+        if step == 0:
+            report = opt.memory_report()
+            ledger = {"held": report.activation_checkpoints, "on_host": report.activation_checkpoints_on_host}
+        opt.backward(loss)
+        if step == 0:
+            ledger["after_backward"] = opt.memory_report().activation_checkpoints
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": local_params(model), "ledger": ledger}
+
+
+def in_place_after_forward(rank: int, reentrant: bool, under_zerodp: bool) -> str:
+    """Each layer's input is changed in place after the layer ran; the error its backward
+    raises (torch's own without zerodp, on one process)."""
+    model = two_input_net(seed=rank, dropout=0.0, reentrant=reentrant)
+    opt = None
+    if under_zerodp:
+        model, opt = zerodp.initialize(model, torch.optim.SGD, zerodp.Config(stage=3, tensor_parallel_size=TP),
+                                       lr=LR)
+    model.mutate_inputs = True
+    loss = model(*two_batch(0, rank // TP))
+    return error_of(lambda: opt.backward(loss) if opt is not None else loss.backward())
+
+
+# -- the world ---------------------------------------------------------------------------
+def edge_world(rank: int, world_size: int) -> dict:
+    assert world_size == DP * TP, world_size
+    out = {"rank": rank}
+    # Clipping: the reference runs on rank 0 only (one process, the global batch).
+    if rank == 0:
+        for name, norm_type in NORMS.items():
+            out[("clip_ref", name)] = clip_reference(norm_type)
+    for name, stage in CLIP_CASES:
+        out[("clip", name, stage)] = clip_run(rank, stage, NORMS[name])
+    # A nan/inf on global rank 1 only: every rank skips, then steps.
+    for stage, how, clip in NONFINITE:
+        out[("nonfinite", stage, how, clip)] = nonfinite_run(rank, stage, how, clip)
+    for stage in (0, 3):
+        out[("nonfinite_fp16", stage)] = nonfinite_run(rank, stage, "grad", None, precision="fp16")
+    # Two-input checkpointed layers: parity without dropout, then Pa / Pa+cpu with it.
+    for kind in MODELS:
+        if rank == 0:
+            out[("two_ref", kind)] = two_input_reference(kind)
+        out[("two", "parity", kind)] = two_input_run(rank, 0.0, False, kind=kind)
+    for reentrant in (False, True):
+        for name, fields in PA.items():
+            out[("two", reentrant, name)] = two_input_run(rank, DROPOUT, reentrant, **fields)
+    out[("two", "late_pa")] = two_input_run(rank, DROPOUT, False, late_enable=True, partition_activations=True)
+    # Last: these backward passes stop part-way, on every rank alike.
+    for reentrant in (False, True):
+        out[("in_place", reentrant, "torch")] = in_place_after_forward(rank, reentrant, under_zerodp=False)
+        out[("in_place", reentrant, "zerodp")] = in_place_after_forward(rank, reentrant, under_zerodp=True)
+    return out
