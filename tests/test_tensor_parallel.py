@@ -129,6 +129,10 @@ def test_bad_input_fails_on_every_rank(results):
         assert "not a plain nn.Embedding" in e["gemma_scaled_embedding"], e["gemma_scaled_embedding"]
         assert "DTensors span the data-parallel ranks only" in e["state_dict"], e["state_dict"]
         assert "no layer of the model is checkpointed" in e["pa_without_checkpointing"], e["pa_without_checkpointing"]
+        # Config.debug: the GPT's unsplit parameters agree across tensor-parallel ranks; the
+        # gate on split activations does not, and is named.
+        assert e["debug_gpt"] == "no error", e["debug_gpt"]
+        assert "the gradients of gate differ across the tensor-parallel ranks" in e["debug_gate"], e["debug_gate"]
 
 
 def test_grouped_query_attention_keeps_each_rank_s_heads_with_their_key_value_heads(results):

@@ -145,6 +145,22 @@ def user_path(rank: int, **fields) -> dict:
     return {"losses": losses, "params": local_params(model)}
 
 
+class GatedMLP(torch.nn.Module):
+    """A scalar gate on the column-parallel layer's split output: a parameter the plan does
+    not split that sees split activations, so each rank holds a part of its gradient."""
+
+    tensor_parallel_plan = {"fc": "colwise", "proj": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.proj = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.gate = torch.nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, x):
+        return self.proj(torch.relu(self.fc(x)) * self.gate)
+
+
 def error_of(fn) -> str:
     try:
         fn()
@@ -173,6 +189,12 @@ def bad_input(rank: int) -> dict:
     model, opt = zerodp.initialize(build("gpt"), torch.optim.SGD, cfg, lr=0.1)
     out["save"] = error_of(lambda: zerodp.save("/nonexistent/tp-ckpt", model, opt))
     out["state_dict"] = error_of(lambda: opt.state_dict())
+    # Config.debug: unsplit parameters' gradients must agree across tensor-parallel ranks.
+    out["debug_gpt"] = error_of(lambda: train("gpt", "sgd", 2, 2, 3, rank, debug=True))
+    gated, gated_opt = zerodp.initialize(GatedMLP(), torch.optim.SGD, zerodp.Config(
+        stage=2, tensor_parallel_size=2, debug=True), lr=0.1)
+    gated_opt.backward(gated(torch.randn(3, 8, generator=torch.Generator().manual_seed(rank // 2))).square().mean())
+    out["debug_gate"] = error_of(gated_opt.step)
     bare, _ = zerodp.initialize(GPT(GPT_CFG), torch.optim.SGD, zerodp.Config(
         tensor_parallel_size=2, partition_activations=True), lr=0.1)  # no layer checkpointed
     ids = global_batch(0, 1)

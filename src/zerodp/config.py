@@ -198,7 +198,9 @@ class Config:
 
     debug: bool = False
     """Check on every gather that all ranks run the same unit (stage 3), raising an error
-    that names the unit and the ranks instead of hanging."""
+    that names the unit and the ranks instead of hanging; under tensor parallelism, check at
+    every step that the parameters the plan did not split got the same gradient on every
+    tensor-parallel rank (one that sees split activations would drift silently)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):

@@ -9,10 +9,11 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import Comm
 
-__all__ = ["global_grad_norm", "local_nonfinite", "replicated_runs"]
+__all__ = ["check_replicated_grads", "global_grad_norm", "local_nonfinite", "replicated_runs"]
 
 
 def global_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, owns_all: bool,
@@ -90,3 +91,40 @@ def local_nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         if g.numel():
             total += g.sum()
     return (~torch.isfinite(total)).to(torch.float64)
+
+
+def check_replicated_grads(shards, split_names: frozenset, comm: Comm) -> None:
+    """Config.debug under tensor parallelism: the gradient of every parameter tensor
+    parallelism did not split must be the same on every tensor-parallel rank (its inputs are
+    replicated there). One that sees split activations (a per-head norm outside the plan) gets
+    a partial gradient on each rank and would drift silently; this raises, naming it."""
+    # Every unsplit parameter, owned here or not, so that every rank sends the same collective.
+    sums = {st.names[i]: torch.zeros(2, dtype=torch.float64) for st in (s.storage for s in shards)
+            for i in st.indices if st.names[i] not in split_names}  # name -> (sum, sum of |g|) of owned pieces
+    for shard in shards:
+        st = shard.storage
+        for piece, m in zip(st.owned_pieces(), shard.master_tensors):
+            for i in st.indices:
+                slot, name = st.layout.slots[i], st.names[i]
+                lo = max(slot.offset, piece.flat_start)
+                hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
+                if name in split_names or lo >= hi or m.grad is None:
+                    continue
+                g = m.grad.reshape(-1)[lo - piece.flat_start: hi - piece.flat_start].double()
+                sums[name] += torch.stack([g.sum().cpu(), g.abs().sum().cpu()])
+    names = sorted(sums)
+    if not names:
+        return
+    mine = torch.stack([sums[n] for n in names]).to(comm.device)
+    high, low = mine.clone(), -mine
+    comm.all_reduce(high, "control", op=dist.ReduceOp.MAX, axis="tp", label="replicated gradients")
+    comm.all_reduce(low, "control", op=dist.ReduceOp.MAX, axis="tp", label="replicated gradients")
+    gap = (high + low).abs().amax(dim=1) / (1 + high[:, 1].abs())
+    # Each piece is owned by one data-parallel rank: every rank raises if any found a gap.
+    comm.all_reduce(gap, "control", op=dist.ReduceOp.MAX, label="replicated gradients")
+    differ = [n for n, d in zip(names, gap.tolist()) if d > 1e-6]  # rounding of equal maths: 0
+    if differ:
+        raise RuntimeError(f"rank {comm.rank}: the gradients of {', '.join(differ[:5])} differ across the "
+                           f"tensor-parallel ranks, though tensor parallelism did not split them: each sees split "
+                           f"activations (e.g. a per-head norm), so each rank holds a part of its gradient. Add "
+                           f"its module to the tensor-parallel plan, or move it before the column-parallel layers")

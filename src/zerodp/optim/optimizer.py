@@ -27,7 +27,7 @@ from ..config import Config
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.ledger import MemoryReport, is_elementwise_state
-from .clipping import global_grad_norm, local_nonfinite, replicated_runs
+from .clipping import check_replicated_grads, global_grad_norm, local_nonfinite, replicated_runs
 from .master import MasterShard, ShardStorage, runs_of_bytes
 from .delayed import DelayedUpdate
 from .homes import StateHomes
@@ -198,6 +198,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inv_scale = 1.0 / self.scaler.scale
         for shard in self.all_shards():
             shard.attach_grads(inv_scale, self.streamer.take(shard))
+        if self.config.debug and self.tensor_parallel is not None:
+            check_replicated_grads(self.all_shards(), self.tensor_parallel.split_names, self.comm)
         self._grads_prepared = True
 
     @torch.no_grad()
