@@ -7,6 +7,7 @@ import torch
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import zerodp
+from tp_slices import error_of, expected_slice, max_diff_to_reference  # noqa: F401 - tests import them from here
 from zerodp.demo.models import GPT, GPTConfig
 
 STEPS = 3
@@ -161,14 +162,6 @@ class GatedMLP(torch.nn.Module):
         return self.proj(torch.relu(self.fc(x)) * self.gate)
 
 
-def error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def bad_input(rank: int) -> dict:
     """Each raises on every rank, before any collective could leave a rank waiting."""
     cfg = zerodp.Config(stage=3, tensor_parallel_size=2)
@@ -200,23 +193,3 @@ def bad_input(rank: int) -> dict:
     ids = global_batch(0, 1)
     out["pa_without_checkpointing"] = error_of(lambda: bare(ids[:, :-1], ids[:, 1:]))
     return out
-
-
-def expected_slice(name: str, full: torch.Tensor, local: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
-    """The reference parameter's part that tensor-parallel rank `tp_rank` holds: whole where
-    the shapes agree (replicated), else its slice of the dim that was split (GPT's fused
-    q, k, v split each of the three)."""
-    if full.shape == local.shape:
-        return full
-    dim = next(d for d in range(full.dim()) if full.shape[d] != local.shape[d])
-    parts = 3 if "c_attn" in name else 1
-    packed = full.unflatten(dim, (parts, full.shape[dim] // parts))
-    return packed.chunk(tp, dim=dim + 1)[tp_rank].flatten(dim, dim + 1)
-
-
-def max_diff_to_reference(result: dict, ref: dict, tp_rank: int, tp: int) -> float:
-    worst = 0.0
-    for name, local in result["params"].items():
-        want = expected_slice(name, ref["params"][name], local, tp_rank, tp)
-        worst = max(worst, float(((local - want).abs() / (1 + want.abs())).max()))
-    return worst

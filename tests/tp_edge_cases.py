@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import zerodp
+from tp_slices import error_of, expected_slice
+from tp_slices import max_diff_to_reference as max_diff
 from zerodp.demo.models import GPT, GPTConfig
 
 DP, TP = 2, 2
@@ -52,31 +54,11 @@ def local_params(model) -> dict:
 
 
 def slice_of(name: str, full: torch.Tensor, local: torch.Tensor, tp_rank: int) -> torch.Tensor:
-    """The part of a one-process parameter that tensor-parallel rank `tp_rank` holds: whole
-    where the shapes agree (replicated), else its slice of the dim that was split (GPT's fused
-    q, k, v: each of the three). tp_cases.expected_slice does the same, but importing
-    tp_cases imports transformers: 11 s on this 2-core machine."""
-    if full.shape == local.shape:
-        return full
-    dim = next(d for d in range(full.dim()) if full.shape[d] != local.shape[d])
-    parts = 3 if "c_attn" in name else 1
-    packed = full.unflatten(dim, (parts, full.shape[dim] // parts))
-    return packed.chunk(TP, dim=dim + 1)[tp_rank].flatten(dim, dim + 1)
+    return expected_slice(name, full, local, tp_rank, TP)
 
 
 def max_diff_to_reference(result: dict, ref: dict, tp_rank: int) -> float:
-    """Worst elementwise |local - reference slice| / (1 + |reference|) over the parameters."""
-    return max(float(((local - want).abs() / (1 + want.abs())).max())
-               for name, local in result["params"].items()
-               for want in [slice_of(name, ref["params"][name], local, tp_rank)])
-
-
-def error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    return max_diff(result, ref, tp_rank, TP)
 
 
 # -- the bundled GPT ----------------------------------------------------------------------
