@@ -184,13 +184,18 @@ def test_crash_during_save_keeps_previous(worlds):
 def test_latest_ignores_unfinished(tmp_path):
     assert zerodp.latest(tmp_path) is None
     assert zerodp.latest(tmp_path / "absent") is None
-    for name, step, complete in (("step10", 10, True), ("step30", 30, False), ("step40.tmp-abc", 40, True),
-                                 ("step20", 20, True)):
+    # (name, step, completed at, has COMPLETE): the newest complete one is the one completed
+    # last ([Note: checkpoint order]), whatever its step; unfinished saves and markers that
+    # are not zerodp's never count.
+    for name, step, done, complete in (("step10", 10, 100.0, True), ("step30", 30, 400.0, False),
+                                       ("step40.tmp-0123456789ab", 40, 500.0, True), ("step20", 20, 300.0, True),
+                                       ("step50", 50, 200.0, True), ("foreign", 60, 600.0, "{}")):
         d = tmp_path / name
         d.mkdir()
         (d / "metadata.json").write_text(f'{{"step": {step}}}')
         if complete:
-            (d / "COMPLETE").write_text("{}")
+            marker = {"format": "zerodp-checkpoint", "files": {}, "completed": done}
+            (d / "COMPLETE").write_text(complete if isinstance(complete, str) else json.dumps(marker))
     assert zerodp.latest(tmp_path) == str(tmp_path / "step20")
 
 

@@ -35,9 +35,10 @@ def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path,
 
     model, opt = tiny()
     # A moved-aside directory's age is its ctime (a rename sets it; utime cannot): make one,
-    # and let it grow older than a shortened limit.
+    # and let it grow older than a shortened limit. Leftover names end in a 12-digit hex id,
+    # as save, commit and prune make them.
     monkeypatch.setattr(retention, "OLD_STALE_S", 1.0)
-    leftover(tmp_path, "b.old-stale")
+    leftover(tmp_path, "b.old-00000000000a")
     time.sleep(1.2)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -45,26 +46,29 @@ def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path,
 
     host = owner_record()["host"]
     left = {
-        "a.tmp-dead": leftover(tmp_path, "a.tmp-dead", {"host": host, "pid": dead.pid, "started": time.time()}),
-        "a.tmp-live": leftover(tmp_path, "a.tmp-live", {"host": host, "pid": os.getpid(), "started": time.time()}),
-        "a.tmp-foreign-old": leftover(tmp_path, "a.tmp-foreign-old",
-                                      {"host": "elsewhere", "pid": 1, "started": time.time() - 2 * 86400}),
-        "a.tmp-foreign-new": leftover(tmp_path, "a.tmp-foreign-new",
-                                      {"host": "elsewhere", "pid": 1, "started": time.time()}),
-        "a.tmp-unowned-old": leftover(tmp_path, "a.tmp-unowned-old", age_s=2 * 86400),
-        "a.tmp-unowned-new": leftover(tmp_path, "a.tmp-unowned-new"),
-        "b.old-committing": leftover(tmp_path, "b.old-committing"),
+        "dead": leftover(tmp_path, "a.tmp-00000000000d", {"host": host, "pid": dead.pid, "started": time.time()}),
+        "live": leftover(tmp_path, "a.tmp-00000000000e", {"host": host, "pid": os.getpid(), "started": time.time()}),
+        "foreign old": leftover(tmp_path, "a.tmp-0000000000f0",
+                                {"host": "elsewhere", "pid": 1, "started": time.time() - 2 * 86400}),
+        "foreign new": leftover(tmp_path, "a.tmp-0000000000f1", {"host": "elsewhere", "pid": 1, "started": time.time()}),
+        "unowned old": leftover(tmp_path, "a.tmp-000000000a00", age_s=2 * 86400),
+        "unowned new": leftover(tmp_path, "a.tmp-000000000a01"),
+        "committing": leftover(tmp_path, "b.old-00000000000b"),
         # Killed between making its directory and naming its writer in it: never a .tmp-.
-        "c.staging-old": leftover(tmp_path, "c.staging-old", age_s=120),
-        "c.staging-naming": leftover(tmp_path, "c.staging-naming"),
+        "staging old": leftover(tmp_path, "c.staging-00000000000c", age_s=120),
+        "staging naming": leftover(tmp_path, "c.staging-0000000000c1"),
+        # Not zerodp's: a user's name with a tag in it, and a leftover name holding a user's file.
+        "user name": leftover(tmp_path, "data.tmp-2023", age_s=2 * 86400),
+        "user file": leftover(tmp_path, "d.tmp-000000000ddd", age_s=2 * 86400),
     }
+    (left["user file"] / "notes.txt").write_text("mine")
     (tmp_path / "notes").mkdir()
     zerodp.save(tmp_path / "step_1", model, opt)
     kept = sorted(os.listdir(tmp_path))
-    assert kept == sorted(["step_1", "notes", "a.tmp-live", "a.tmp-foreign-new", "a.tmp-unowned-new",
-                           "b.old-committing", "c.staging-naming"]), kept
+    assert kept == sorted(["step_1", "notes", "a.tmp-00000000000e", "a.tmp-0000000000f1", "a.tmp-000000000a01",
+                           "b.old-00000000000b", "c.staging-0000000000c1", "data.tmp-2023",
+                           "d.tmp-000000000ddd"]), kept
     assert zerodp.latest(tmp_path).endswith("step_1")
-    assert left  # every case above was created
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):

@@ -2,9 +2,9 @@
 sharded save/load at any world size and stage (sharded.py), and a plain model out or in
 (consolidated.py), and the model whole from a live run (full_state.py)."""
 from .consolidated import consolidate, export, load_pretrained
-from .format import CheckpointError
+from .format import CheckpointError, InvalidCheckpoint
 from .full_state import full_state_dict, save_pretrained
 from .sharded import latest, load, save
 
-__all__ = ["CheckpointError", "consolidate", "export", "full_state_dict", "latest", "load", "load_pretrained",
+__all__ = ["CheckpointError", "InvalidCheckpoint", "consolidate", "export", "full_state_dict", "latest", "load", "load_pretrained",
            "save", "save_pretrained"]

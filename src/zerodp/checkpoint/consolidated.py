@@ -49,7 +49,11 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
     Runs in one process, no process group needed. dtype=torch.float32 (default) gives the
     fp32 master weights and upcasts floating buffers; "compute" gives the weights the
     model trained with (bf16/fp16 under mixed precision); None keeps the saved dtypes
-    (fp32 master weights, buffers as they were)."""
+    (fp32 master weights, buffers as they were).
+
+    A checkpoint whose files or values are not what zerodp writes raises InvalidCheckpoint
+    (a ValueError) before anything is allocated by its sizes ([Note: a checkpoint is input]
+    in schema.py)."""
     path, meta, files = open_checkpoint(path)
     dtype = _resolve_dtype(dtype, meta)
     use_param = dtype is not None and dtype_name(dtype) == meta["compute_dtype"] != "float32"
@@ -61,11 +65,10 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
             t = reader.read_range(kind, name, info["pieces"], 0, numel, read_dtype).view(info["shape"])
             params[name] = t if dtype is None else t.to(dtype)
         replicated = {}
-        if meta["replicated"]:
-            f = reader.file(REPLICATED)
-            for k in meta["replicated"]:
-                t = f.get_tensor(k)
-                replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        for k, info in meta["replicated"].items():
+            reader.tensor_slice(REPLICATED, k, info["shape"])  # the file's shape is metadata.json's
+            t = reader.file(REPLICATED).get_tensor(k)
+            replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     for key, kind, src in meta["state_dict_keys"]:
         out[key] = params[src] if kind == "param" else replicated[src]
     return out

@@ -24,23 +24,72 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
 
 from safetensors.torch import save_file
 
-from .format import COMPLETE, FORMAT, OLD_TAG
+from .format import COMPLETE, FORMAT, OLD_TAG, CheckpointError
 
-__all__ = ["commit", "digest", "write_json", "write_safetensors"]
+__all__ = ["commit", "digest", "read_json", "read_marker", "refuse_to_replace", "write_json", "write_safetensors"]
 
 CHUNK = 1 << 20
+# A checkpoint's files are opened without following a symbolic link (where the OS can):
+# a link planted in a checkpoint must not make a read land outside it.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def open_nofollow(file: str, mode: str = "rb"):
+    return os.fdopen(os.open(file, os.O_RDONLY | NOFOLLOW), mode)
 
 
 def digest(file: str) -> dict:
     h = hashlib.sha256()
-    with open(file, "rb") as f:
+    size = 0
+    with open_nofollow(file) as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
-    return {"size": os.path.getsize(file), "sha256": h.hexdigest()}
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def read_json(file: str):
+    with open_nofollow(file, "r") as f:
+        return json.load(f)
+
+
+def read_marker(directory: str) -> dict | None:
+    """The COMPLETE marker of a zerodp checkpoint directory, or None if it is none (no
+    marker, a linked one, or another program's file of that name)."""
+    try:
+        marker = read_json(os.path.join(directory, COMPLETE))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        return None
+    return marker
+
+
+def refuse_to_replace(path: str) -> None:
+    """`save` replaces only what it could have written itself: nothing, an empty directory
+    or a zerodp checkpoint. Anything else at `path` (a run directory with train.log, a file,
+    a link) is the user's, and replacing it would delete it."""
+    if not os.path.lexists(path):
+        return
+    fix = "save to a new path (e.g. a step_N directory inside it), or move or remove it yourself"
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link, not a zerodp checkpoint: zerodp.save would replace the "
+                              f"link itself; {fix}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a zerodp checkpoint: zerodp.save replaces only a checkpoint "
+                              f"it wrote; {fix}")
+    names = sorted(os.listdir(path))
+    if not names or read_marker(path) is not None:
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise CheckpointError(f"{path} exists and is not a zerodp checkpoint (it holds {shown}; no {COMPLETE} marker "
+                          f"of zerodp): zerodp.save replaces only a checkpoint it wrote, which would delete these "
+                          f"files; {fix}")
 
 
 def fsync(file: str) -> None:
@@ -77,11 +126,16 @@ def commit(tmp: str, path: str, files: dict) -> None:
     COMPLETE is written inside the private temporary directory first, so a failure there
     (a full disk) leaves the previous checkpoint at `path` in place and trusted. Only then
     is the previous one moved aside and the new one renamed into place; a save to the same
-    path that wins the race in between is moved aside in turn, and the last rename wins."""
+    path that wins the race in between is moved aside in turn, and the last rename wins.
+    `save` checked `path` on every rank before writing ([Note: atomic save]); it is checked
+    again here, just before it is replaced, in case a user's file arrived in between."""
     side = os.path.join(tmp, COMPLETE + ".writing")
-    write_json(side, {"format": FORMAT, "files": files})
+    # "completed" orders checkpoints for latest() and keep_last ([Note: checkpoint order] in
+    # retention.py): recorded inside, so a copy that gives every file a new time keeps it.
+    write_json(side, {"format": FORMAT, "files": files, "completed": time.time()})
     os.replace(side, os.path.join(tmp, COMPLETE))
     fsync_dir(tmp)
+    refuse_to_replace(path)
     if os.path.isdir(path) and not os.path.islink(path) and exchange(tmp, path):
         # One atomic swap: `path` is never missing, not even for a reader in between.
         fsync_dir(os.path.dirname(path))

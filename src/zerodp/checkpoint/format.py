@@ -32,12 +32,13 @@ replicated tensors, full at every stage. Nothing is gathered, at stage 3 either.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "ModelView", "PathLike", "model_view"]
+__all__ = ["CheckpointError", "InvalidCheckpoint", "ModelView", "PathLike", "model_view"]
 
 FORMAT = "zerodp-checkpoint"
 FORMAT_VERSION = 1
@@ -53,6 +54,21 @@ PathLike = str | os.PathLike
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message says which file or name and why."""
+
+
+class InvalidCheckpoint(CheckpointError, ValueError):
+    """A checkpoint's files or values are not what zerodp writes: damaged, changed after the
+    save, or another program's. Bad input, hence also a ValueError; raised before anything
+    outside the checkpoint is opened and before anything is changed."""
+
+
+# Every name a checkpoint's COMPLETE may list: what `save` writes, nothing else. A rank is a
+# decimal number without leading zeros, so no name can step out of the directory.
+RANK_NAME = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(safetensors|json)")
+
+
+def is_format_name(name: str) -> bool:
+    return name in (METADATA, REPLICATED) or RANK_NAME.fullmatch(name) is not None
 
 
 def rank_file(rank: int) -> str:
@@ -159,9 +175,21 @@ def write_replicated(values: dict, targets: dict) -> None:
 
 def refuse_tensor_parallel(optimizer, what: str) -> None:
     """zerodp's checkpoint format names each parameter once, for one data-parallel mesh; under
-    tensor parallelism every tensor-parallel rank holds another slice under the same name."""
+    tensor parallelism every tensor-parallel rank holds another slice under the same name.
+    The message recommends only what works there: optimizer.state_dict() and the stage-3
+    model's state dict refuse tensor parallelism too (sharding/rows.py)."""
     tp = optimizer.comm.topology.tp_size
-    if tp > 1:
-        raise CheckpointError(f"rank {optimizer.comm.rank}: {what} with Config.tensor_parallel_size={tp} is not "
-                              f"supported: each tensor-parallel rank holds another slice of the same parameters. "
-                              f"Save model.state_dict() and optimizer.state_dict() per tensor-parallel rank instead")
+    if tp <= 1:
+        return
+    if optimizer.config.stage < 3:
+        instead = ("what works instead is the weights alone: model.state_dict() on each rank holds that rank's "
+                   "tensor-parallel slices as plain tensors; save it per rank (the rank in the file name) and "
+                   "give it back with model.load_state_dict() on the same rank. The optimizer state (Adam's "
+                   "moments, the fp32 master) has no checkpoint under tensor parallelism yet")
+    else:
+        instead = ("at stage 3 there is no checkpoint under tensor parallelism yet (the model's and the "
+                   "optimizer's state dicts refuse it too); to keep the weights, train at stage 2 with tensor "
+                   "parallelism, or at stage 3 without")
+    raise CheckpointError(f"rank {optimizer.comm.rank}: {what} with Config.tensor_parallel_size={tp} is not "
+                          f"supported: each tensor-parallel rank holds another slice of the same parameters, "
+                          f"and the format names each parameter once; {instead}")

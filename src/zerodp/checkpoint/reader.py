@@ -3,67 +3,104 @@ ranges of flattened parameters from the pieces that hold them."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
+import stat
 
 import torch
 from safetensors import safe_open
 
-from .files import digest
-from .format import (COMPLETE, FORMAT, FORMAT_VERSION, METADATA, TMP_TAG, CheckpointError, PathLike, describe_error,
-                     rank_file)
+from .files import digest, read_json
+from .format import (COMPLETE, FORMAT, FORMAT_VERSION, METADATA, TMP_TAG, CheckpointError, InvalidCheckpoint,
+                     PathLike, describe_error, is_format_name, rank_file)
+from .schema import check_listing, check_metadata, check_rng
 
-__all__ = ["Reader", "flat_range", "name_mismatch", "open_checkpoint", "verify"]
+__all__ = ["Reader", "flat_range", "name_mismatch", "open_checkpoint", "read_rank_json", "verify"]
 
 
 def open_checkpoint(path: PathLike) -> tuple[str, dict, dict]:
-    """(path, metadata, {file: size/sha256}) of a complete checkpoint, or a CheckpointError.
-    Checks presence and size of every file; contents are checked as they are read."""
-    path = os.path.abspath(os.fspath(path))
+    """(real path, metadata, {file: size/sha256}) of a complete checkpoint, or a CheckpointError.
+    Checks COMPLETE and metadata.json whole ([Note: a checkpoint is input] in schema.py), and
+    presence and size of every file; contents are checked as they are read. Only names the
+    format writes are opened, each a regular file directly in the directory's real path."""
+    path = os.path.realpath(os.fspath(path))  # a link to the checkpoint is fine; its files are inside its target
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint: a zerodp checkpoint is a directory, this is a file")
-    marker, meta_file = os.path.join(path, COMPLETE), os.path.join(path, METADATA)
     if TMP_TAG in os.path.basename(path):
         raise CheckpointError(f"{path} is the temporary directory of a save that did not finish; "
                               f"use zerodp.latest() to find the newest complete checkpoint")
-    if not os.path.exists(marker):
-        if not os.path.exists(meta_file):
+    if not os.path.lexists(os.path.join(path, COMPLETE)):
+        if not os.path.lexists(os.path.join(path, METADATA)):
             raise CheckpointError(f"{path} is not a zerodp checkpoint: it has neither {METADATA} nor {COMPLETE}")
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): the save that wrote it "
                               f"did not finish; use zerodp.latest() to find the newest complete checkpoint")
     try:
-        with open(marker) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path}: {COMPLETE} is unreadable ({describe_error(e)})") from e
+        files = check_listing(path, read_json(inside(path, COMPLETE)))
+    except (OSError, ValueError) as e:
+        if isinstance(e, InvalidCheckpoint):
+            raise
+        raise InvalidCheckpoint(f"checkpoint {path}: {COMPLETE} is unreadable ({describe_error(e)})") from e
     problems = []
     for name, d in sorted(files.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
+        try:
+            size = os.lstat(inside(path, name)).st_size
+        except FileNotFoundError:
             problems.append(f"{name} is missing")
-        elif os.path.getsize(file) != d["size"]:
-            problems.append(f"{name} has {os.path.getsize(file)} bytes, {d['size']} were written (truncated?)")
+            continue
+        if size != d["size"]:
+            problems.append(f"{name} has {size} bytes, {d['size']} were written (truncated?)")
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+        raise InvalidCheckpoint(f"checkpoint {path} is damaged: " + "; ".join(problems))
     verify(path, METADATA, files)
-    with open(meta_file) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r} version "
-                              f"{meta.get('format_version')!r}; this zerodp reads {FORMAT!r} version {FORMAT_VERSION}")
+    try:
+        meta = read_json(inside(path, METADATA))
+    except ValueError as e:
+        raise InvalidCheckpoint(f"checkpoint {path}: {METADATA} is not JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        found = meta if not isinstance(meta, dict) else (meta.get("format"), meta.get("format_version"))
+        raise InvalidCheckpoint(f"checkpoint {path} has format {found!r}; this zerodp reads {FORMAT!r} version "
+                                f"{FORMAT_VERSION}")
+    check_metadata(path, meta, files)
     return path, meta, files
+
+
+def inside(path: str, name: str) -> str:
+    """The file `name` of checkpoint `path`, refused unless it is a name the format writes
+    (never a path: no '/', no '..') and a regular file, not a link (which could lead out)."""
+    if name != COMPLETE and not is_format_name(name):
+        raise InvalidCheckpoint(f"checkpoint {path}: {name!r} is not a file a zerodp checkpoint has")
+    file = os.path.join(path, name)
+    try:
+        st = os.lstat(file)
+    except FileNotFoundError:
+        return file  # the caller reports it missing
+    if stat.S_ISLNK(st.st_mode):
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} is a symbolic link; zerodp writes a checkpoint's files "
+                                f"itself and never follows a link out of it: copy the file in instead of linking it")
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} is not a regular file")
+    return file
 
 
 def verify(path: str, name: str, files: dict) -> None:
     if name not in files:
-        raise CheckpointError(f"checkpoint {path}: {name} is not listed in {COMPLETE}")
-    found = digest(os.path.join(path, name))
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} is not listed in {COMPLETE}")
+    found = digest(inside(path, name))
     if found["sha256"] != files[name]["sha256"]:
-        raise CheckpointError(f"checkpoint {path}: {name} is corrupt (sha256 {found['sha256'][:12]}..., "
-                              f"{files[name]['sha256'][:12]}... was written)")
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} is corrupt (sha256 {found['sha256'][:12]}..., "
+                                f"{files[name]['sha256'][:12]}... was written)")
+
+
+def read_rank_json(path: str, name: str, files: dict) -> dict:
+    """A rank's RNG states, after its sha256 and its contents are checked."""
+    verify(path, name, files)
+    try:
+        obj = read_json(inside(path, name))
+    except ValueError as e:
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} is not JSON ({e})") from e
+    return check_rng(path, name, obj)
 
 
 class Reader(contextlib.ExitStack):
@@ -79,10 +116,25 @@ class Reader(contextlib.ExitStack):
             verify(self.path, name, self.files)
             try:
                 self._open[name] = self.enter_context(
-                    safe_open(os.path.join(self.path, name), framework="pt", device="cpu"))
+                    safe_open(inside(self.path, name), framework="pt", device="cpu"))
+            except InvalidCheckpoint:
+                raise
             except Exception as e:
-                raise CheckpointError(f"checkpoint {self.path}: {name} is not a safetensors file ({e})") from e
+                raise InvalidCheckpoint(f"checkpoint {self.path}: {name} is not a safetensors file ({e})") from e
         return self._open[name]
+
+    def tensor_slice(self, name: str, key: str, shape: list, dtype: str | None = None):
+        """`get_slice(key)` of file `name`, once its shape (and dtype) is what the metadata says."""
+        f = self.file(name)
+        try:
+            sl = f.get_slice(key)
+        except Exception as e:
+            raise InvalidCheckpoint(f"checkpoint {self.path}: {name} lacks {key} ({e})") from e
+        if list(sl.get_shape()) != list(shape) or (dtype is not None and sl.get_dtype() != dtype):
+            raise InvalidCheckpoint(f"checkpoint {self.path}: {name} holds {key} as {tuple(sl.get_shape())} "
+                                    f"{sl.get_dtype()}; metadata.json says {tuple(shape)}"
+                                    f"{'' if dtype is None else ' ' + dtype}")
+        return sl
 
     def read_range(self, kind: str, name: str, pieces: list, start: int, numel: int,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -95,11 +147,8 @@ class Reader(contextlib.ExitStack):
             if lo >= hi:
                 continue
             key = f"{kind}/{name}/{p_start}"
-            f = self.file(rank_file(rank))
-            try:
-                out[lo - start: hi - start] = f.get_slice(key)[lo - p_start: hi - p_start]
-            except Exception as e:
-                raise CheckpointError(f"checkpoint {self.path}: {rank_file(rank)} lacks {key} ({e})") from e
+            piece = self.tensor_slice(rank_file(rank), key, [p_numel])
+            out[lo - start: hi - start] = piece[lo - p_start: hi - p_start]
             covered += hi - lo
         if covered != numel:
             raise CheckpointError(f"checkpoint {self.path}: elements [{start}, {start + numel}) of {name} are "

@@ -3,7 +3,8 @@ format.py ([Note: checkpoint layout]); writes are atomic (files.py, [Note: atomi
 
 [Note: validate, then write]
 `load` and `load_pretrained` check everything (marker, sizes and sha256 of the files a
-rank reads, parameter names, shapes, groups, optimizer type), read what the rank owns
+rank reads, parameter names, shapes, groups, optimizer type, and every value the metadata
+and the RNG states hold: [Note: a checkpoint is input] in schema.py), read what the rank owns
 into memory, and agree across ranks that all of it worked, before they change a single
 tensor. A bad checkpoint therefore raises on every rank and leaves the model, the
 optimizer and the RNG as they were.
@@ -25,14 +26,12 @@ from ..version import __version__
 from . import files as fileio  # by module, so a test can fail its writes
 from .format import (
     METADATA,
-    OLD_TAG,
     REPLICATED,
     STAGING_TAG,
     TMP_TAG,
     CheckpointError,
     FORMAT,
     FORMAT_VERSION,
-    COMPLETE,
     ModelView,
     PathLike,
     describe_error,
@@ -47,9 +46,10 @@ from .format import (
     restore_hyperparameters,
     write_replicated,
 )
-from .reader import Reader, name_mismatch, open_checkpoint, verify
-from .retention import OWNER, owner_record, prune, remove_stale
+from .reader import Reader, name_mismatch, open_checkpoint, read_rank_json
+from .retention import OWNER, by_completion, owner_record, prune, remove_stale
 from .rng import rng_state, set_rng_state
+from .schema import check_hyperparameters
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
+        fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
         slices = _slices_to_write(optimizer)
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
                  "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
@@ -280,6 +281,7 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     if have_states and meta["state_keys"] and have_states != set(meta["state_keys"]):
         raise CheckpointError(f"checkpoint {path} holds optimizer states {meta['state_keys']}; the optimizer "
                               f"has {sorted(have_states)}")
+    check_hyperparameters(path, meta["param_groups"], optimizer.inner.param_groups)
     masters, states = [], []
     for s in slices:
         if s.numel == 0:
@@ -289,16 +291,15 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
         for key in meta["state_keys"]:
             states.append((s, key, reader.read_range(f"state/{key}", s.name, pieces, s.start, s.numel,
                                                      torch.float32)))
+    # Shapes from the file itself, against the model's: copy_ would broadcast a [1] silently.
     replicated = {}
-    if view.replicated:
-        f = reader.file(REPLICATED)
-        replicated = {k: f.get_tensor(k) for k in view.replicated}
+    for k, t in view.replicated.items():
+        reader.tensor_slice(REPLICATED, k, list(t.shape))
+        replicated[k] = reader.file(REPLICATED).get_tensor(k)
     rank = optimizer.comm.rank
     rng = None
     if meta["world_size"] == optimizer.comm.world_size:
-        verify(path, rank_json(rank), files)
-        with open(os.path.join(path, rank_json(rank))) as fh:
-            rng = json.load(fh)["rng"]
+        rng = read_rank_json(path, rank_json(rank), files)
     return _Loaded(masters, states, replicated, view.replicated, rng)
 
 
@@ -335,22 +336,12 @@ def _apply(meta: dict, loaded: _Loaded, optimizer) -> None:
 
 
 def latest(directory: PathLike) -> str | None:
-    """The newest complete checkpoint directly under `directory` (by the step recorded in
-    its metadata, then by when it completed), or None. Directories without a COMPLETE
-    marker (unfinished or crashed saves) are ignored; contents are verified by `load`."""
+    """The most recently completed checkpoint directly under `directory`, or None: the
+    order `keep_last` prunes in ([Note: checkpoint order] in retention.py). Directories
+    without a COMPLETE marker (unfinished or crashed saves) are ignored; contents are
+    verified by `load`."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
-    found = []
-    for entry in os.scandir(directory):
-        if not entry.is_dir() or any(tag in entry.name for tag in (TMP_TAG, OLD_TAG, STAGING_TAG)):
-            continue
-        marker = os.path.join(entry.path, COMPLETE)
-        try:
-            with open(os.path.join(entry.path, METADATA)) as f:
-                step = int(json.load(f)["step"])
-            done = os.path.getmtime(marker)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        found.append((step, done, os.path.abspath(entry.path)))
-    return max(found)[2] if found else None
+    found = by_completion(directory)
+    return os.path.abspath(found[0]) if found else None
