@@ -4,6 +4,7 @@ group (`forget_meshes`): a case leaves its group broken on purpose."""
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import torch
@@ -27,7 +28,20 @@ class Blocks(nn.Module):
         return x
 
 
-def build(stage: int, accumulation: int = 1):
+class Tapered(nn.Module):
+    """Units of three sizes: a gather on one rank alone meets a gather of another size."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(8, 16)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def build(stage: int, accumulation: int = 1, model: nn.Module = None):
     # The previous case may have left one rank seconds behind the other (it was waiting out a
     # timeout); creating the next zerodp group waits for its peers only that long, so the
     # ranks meet first at a plain torch barrier (the default group, the harness's timeout).
@@ -36,7 +50,7 @@ def build(stage: int, accumulation: int = 1):
     torch.manual_seed(0)
     cfg = zerodp.Config(stage=stage, collective_timeout_s=TIMEOUT_S, unit_modules=(nn.Linear,), bucket_bytes=1024,
                         grad_accumulation_steps=accumulation)
-    return zerodp.initialize(Blocks(), torch.optim.SGD, cfg, lr=0.1)
+    return zerodp.initialize(Blocks() if model is None else model, torch.optim.SGD, cfg, lr=0.1)
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -88,17 +102,29 @@ def reliability_world(rank: int, world_size: int, root: str) -> dict:
     out["save_one_rank"] = timed(save_on_rank0_only)
     out["save_one_rank_latest"] = zerodp.latest(root)
 
-    # Collectives that pair up across ranks although they are different calls: caught by
-    # the step fingerprint before the weights change ([Note: step fingerprint]).
+    # Collectives that pair up across ranks although they are different calls (NCCL pairs
+    # equal-sized ones silently): caught by the step fingerprint before the weights change
+    # ([Note: step fingerprint]). On gloo a real one is refused before it runs ([Note: gloo
+    # pairing]), so a ledger record on its own stands for the pairing here.
     model, opt = build(2)
     before = [p.detach().clone() for p in model.parameters()]
 
     def mismatched_but_paired():
         opt.backward(model(batch(rank, 0)).square().mean())
-        opt.comm.all_reduce(torch.zeros(4), "forward" if rank == 0 else "backward", label="user's own")
+        opt.comm.ledger.record("all_reduce", 4, 16, "forward" if rank == 0 else "backward", label="user's own")
         opt.step()
     out["fingerprint"] = timed(mismatched_but_paired)
     out["fingerprint_untouched"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    model, opt = build(2)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def mismatched_collectives():
+        opt.backward(model(batch(rank, 0)).square().mean())
+        opt.comm.all_reduce(torch.zeros(4), "forward" if rank == 0 else "backward", label="user's own")
+        opt.step()
+    out["refused"] = timed(mismatched_collectives)
+    out["refused_untouched"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
     # Rank 0 logs its weights under `if rank == 0` at stage 3 (a gather the other rank never
     # makes): both ranks raise instead of training on mixed-up parameters.
@@ -112,6 +138,43 @@ def reliability_world(rank: int, world_size: int, root: str) -> dict:
         for step in (1, 2):
             train_step(model, opt, rank, step)
     out["gather_one_rank"] = timed(gathers_on_one_rank)
+
+    # The same with units of different sizes ([Note: gloo pairing] in distributed/collectives.py):
+    # rank 0's gathers used to pair with rank 1's gathers of other sizes, and gloo aborted
+    # rank 1's process from its I/O thread (no error, no report). Now they never pair: both
+    # ranks time out and name each other's collective.
+    def log_weights(model):
+        with zerodp.gathered_parameters(model):
+            pass
+
+    def eval_forward(model):
+        model.eval()
+        with torch.no_grad():
+            model(batch(rank, 99))
+        model.train()
+
+    for name, alone in (("gathered_parameters", log_weights), ("eval", eval_forward)):
+        torch.manual_seed(0)
+        model, opt = build(3, model=Tapered())
+        train_step(model, opt, rank, 0)
+
+        def on_rank0_only():
+            if rank == 0:
+                alone(model)
+            for step in (1, 2):
+                train_step(model, opt, rank, step)
+        out[("rank0_only", name)] = timed(on_rank0_only)
+
+    # Other collectives of different sizes (a clip on one rank against the other's step
+    # agreement) are caught before they run, by the agreement each is preceded by on gloo.
+    model, opt = build(2)
+
+    def clip_on_rank0_only():
+        opt.backward(model(batch(rank, 0)).square().mean())
+        if rank == 0:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+    out["clip_one_rank"] = timed(clip_on_rank0_only)
 
     # One rank takes an extra micro-batch: it raises at once, naming the boundary; the other
     # raises at its next collective, naming it.
@@ -140,3 +203,19 @@ def reliability_world(rank: int, world_size: int, root: str) -> dict:
     out["agreements_per_step"] = sum(1 for r in opt.comm.ledger.last_step if r.label == "step agreement")
     forget_meshes()
     return out
+
+
+def peer_dies_world(rank: int, world_size: int, result_path: str) -> None:
+    """Rank 1's process ends outright after a step (an OOM kill, a segfault); rank 0's next
+    collective fails at once. Rank 0 writes what it raised to `result_path` itself: with a
+    rank gone, the harness returns no results."""
+    from zerodp.distributed import failure
+
+    failure.REPORT_WAIT_S = 1.0  # the only peer that could report is gone: no use waiting 5 s for it
+    model, opt = build(2)
+    train_step(model, opt, rank, 0)
+    if rank == 1:
+        os._exit(0)
+    result = timed(lambda: train_step(model, opt, rank, 1))
+    with open(result_path, "wb") as f:
+        pickle.dump(result, f)

@@ -226,6 +226,49 @@ def test_estimate_fits(capsys):
     (["launch", "--nproc", "100000", "x.py"], "larger than allowed"),
     (["launch", "--nnodes", "2", "x.py"], "needs --rdzv-endpoint"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    # Issue 22 item 24: every number of every subcommand, for nan, inf, negatives and zero.
+    (["estimate", "--params", "inf"], "'inf': a parameter count must be a finite number"),
+    (["estimate", "--params", "nan"], "'nan': a parameter count must be a finite number"),
+    (["estimate", "--params", "-5"], "a parameter count must be a finite number, at least 1"),
+    (["estimate", "--params", "1e9", "-k", "nan"], "-k nan: use a finite number of bytes per parameter"),
+    (["estimate", "--params", "1e9", "-k", "-20"], "-k -20: use a finite number"),
+    (["estimate", "--params", "1e9", "--param-bytes", "0"], "--param-bytes 0: use a positive, finite number"),
+    (["estimate", "--params", "1e9", "--param-bytes", "inf"], "--param-bytes inf: use a positive, finite"),
+    (["estimate", "--params", "1e9", "--grad-bytes", "-2"], "--grad-bytes -2: use a finite number"),
+    (["estimate", "--params", "1e9", "--device-memory", "nan"], "'nan': a memory size must be a positive, finite"),
+    (["estimate", "--params", "1e9", "--device-memory", "inf"], "'inf': a memory size must be a positive, finite"),
+    (["estimate", "--params", "1e9", "--device-memory", "0GB"], "a memory size must be a positive"),
+    (["estimate", "--params", "1e9", "--offload", "host", "--host-memory", "infGB"], "a memory size must be"),
+    (["estimate", "--params", "1e9", "--offload", "disk", "--disk", "nan"], "a memory size must be"),
+    (["estimate", "--params", "1e9", "--offload", "host", "--world-sizes", "0"], "--world-sizes 0: not a world size"),
+    (["estimate", "--params", "1e9", "--world-sizes", "-4"], "--world-sizes -4: not a world size"),
+    (["train", "--lr", "-1"], "--lr -1: use a positive, finite learning rate"),
+    (["train", "--lr", "0"], "--lr 0: use a positive, finite learning rate"),
+    (["train", "--lr", "nan"], "--lr nan: use a positive, finite learning rate"),
+    (["train", "--lr", "inf"], "--lr inf: use a positive, finite learning rate"),
+    (["train", "--ckpt-every", "-5"], "--ckpt-every -5: use a number of steps >= 1, or 0"),
+    (["train", "--eval-every", "0"], "--eval-every 0: use a number of steps >= 1"),
+    (["train", "--eval-every", "-3"], "--eval-every -3: use a number of steps >= 1"),
+    (["train", "--sample-tokens", "-1"], "--sample-tokens -1: use a number of bytes >= 0 (0: none)"),
+    (["train", "--seed", "-1"], "--seed -1: use a seed from 0 to"),
+    (["train", "--seed", str(2**64)], "use a seed from 0 to"),
+    (["train", "--log-level", "loud"], "--log-level loud: use one of DEBUG"),
+    (["train", "--block-size", "100000"], "--block-size 100000: the bundled corpus's validation split has"),
+    (["train", "--steps", "0"], "'0' is not a positive integer"),
+    (["train", "--grad-accum", "-1"], "'-1' is not a positive integer"),
+    (["train", "--keep-last", "0"], "'0' is not a positive integer"),
+    (["train", "--nproc", "0"], "--nproc 0: the world size must be at least 1"),
+    (["train", "--max-restarts", "-1"], "--max-restarts -1: use 0 or more"),
+    (["launch", "--nproc", "-2", "x.py"], "--nproc -2: the world size must be at least 1"),
+    (["launch", "--nnodes", "abc", "x.py"], "--nnodes abc: use a number of nodes >= 1"),
+    (["launch", "--nnodes", "0", "x.py"], "--nnodes 0: use a number of nodes >= 1"),
+    (["launch", "--nnodes", "3:2", "x.py"], "MIN:MAX with 1 <= MIN <= MAX"),
+    (["launch", "--node-rank", "-1", "x.py"], "--node-rank -1: use 0 to --nnodes - 1"),
+    (["launch", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "x.py"], "--node-rank 2: use 0 to"),
+    (["launch", "--master-port", "0", "x.py"], "--master-port 0: a port must be from 1 to 65535"),
+    (["launch", "--master-port", "70000", "x.py"], "--master-port 70000: a port must be from 1 to 65535"),
+    (["launch", "--nnodes", "2", "--rdzv-endpoint", "node0:0", "x.py"], "use HOST:PORT with a port from 1"),
+    (["export", "/no/such/checkpoint", "out.safetensors"], "/no/such/checkpoint: no such checkpoint"),
 ])
 def test_usage_errors_are_one_line(argv, expected, capsys):
     # In this process (the command line's own main); the entry point itself is run below.
@@ -245,6 +288,26 @@ def test_usage_error_from_the_entry_point():
     proc = zerodp_cmd("train", "--stage", "7", timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [l for l in proc.stderr.strip().splitlines() if "invalid choice: 7" in l]
+
+
+def test_export_of_a_malformed_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
+    """Whatever the checkpoint layer raises for a damaged checkpoint reaches the user as one
+    line, exit status 1, no traceback: its own ValueError, and any other error, even one
+    whose text spans lines."""
+    bad = tmp_path / "step_000001"
+    bad.mkdir()
+    (bad / "COMPLETE").write_text("{not json")
+    (bad / "metadata.json").write_text("{}")
+    assert cli.main(["export", str(bad), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zerodp export: error: ") and str(bad) in err, err
+
+    def damaged(checkpoint, out):
+        raise TypeError("a piece that is not a list\nsecond line of detail")
+    monkeypatch.setattr(zerodp, "export", damaged)
+    assert cli.main(["export", str(bad), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err == "zerodp export: error: TypeError: a piece that is not a list second line of detail\n", err
 
 
 def test_help(capsys):

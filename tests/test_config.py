@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -70,6 +71,37 @@ BAD = [
     ({"replicate_size": 2, "tensor_parallel_size": 2}, "replicate_size", "tensor_parallel_size=1"),
     ({"offload_optimizer": "host", "stage": 2, "tensor_parallel_size": 2}, "offload_optimizer",
      "tensor_parallel_size=1"),
+    # Every numeric field, for finiteness and range (issue 22 item 23): inf was accepted, then
+    # initialize raised an OverflowError naming nothing (the timeout), or fp16 skipped every
+    # step forever (the loss scale).
+    ({"collective_timeout_s": math.inf}, "collective_timeout_s", "positive number of seconds, at most"),
+    ({"collective_timeout_s": math.nan}, "collective_timeout_s", "positive number of seconds"),
+    ({"collective_timeout_s": -1.0}, "collective_timeout_s", "positive number of seconds"),
+    ({"collective_timeout_s": 1e12}, "collective_timeout_s", "at most 31,536,000 (a year)"),
+    ({"collective_timeout_s": True}, "collective_timeout_s", "positive number of seconds"),
+    ({"loss_scale": math.inf, "mixed_precision": "fp16"}, "loss_scale", "positive, finite number"),
+    ({"loss_scale": -math.inf, "mixed_precision": "fp16"}, "loss_scale", "positive, finite number"),
+    ({"loss_scale": math.nan, "mixed_precision": "fp16"}, "loss_scale", "positive, finite number"),
+    ({"loss_scale": 0, "mixed_precision": "fp16"}, "loss_scale", "positive, finite number"),
+    ({"loss_scale": True}, "loss_scale", "positive, finite number"),
+    ({"initial_loss_scale": math.inf, "mixed_precision": "fp16"}, "initial_loss_scale", "positive, finite"),
+    ({"initial_loss_scale": math.nan}, "initial_loss_scale", "positive, finite"),
+    ({"initial_loss_scale": -2.0}, "initial_loss_scale", "positive, finite"),
+    ({"loss_scale_growth_interval": math.inf}, "loss_scale_growth_interval", "positive integer"),
+    ({"loss_scale_growth_interval": 0}, "loss_scale_growth_interval", "positive integer"),
+    ({"bucket_bytes": math.inf}, "bucket_bytes", "positive integer"),
+    ({"grad_accumulation_steps": math.nan}, "grad_accumulation_steps", "positive integer"),
+    ({"grad_accumulation_steps": 2.0}, "grad_accumulation_steps", "positive integer"),
+    ({"replicate_size": math.inf}, "replicate_size", "positive integer"),
+    ({"unit_min_params": math.inf}, "unit_min_params", "positive integer"),
+    ({"unit_min_params": -1}, "unit_min_params", "positive integer"),
+    ({"prefetch_units": math.inf}, "prefetch_units", ">= 0"),
+    ({"quantize_block_size": math.nan, "stage": 3, "quantize_weights": True}, "quantize_block_size",
+     "positive integer"),
+    ({"quantize_block_size": -8}, "quantize_block_size", "positive integer"),
+    ({"delayed_update_after": math.inf, "stage": 2, "offload_optimizer": "host"}, "delayed_update_after", ">= 0"),
+    ({"tensor_parallel_size": math.nan}, "tensor_parallel_size", "positive integer"),
+    ({"tensor_parallel_size": -2}, "tensor_parallel_size", "positive integer"),
 ]
 
 
@@ -79,6 +111,13 @@ def test_bad_values_name_field_value_and_fix(values, field, allowed):
         Config.from_dict(values)
     msg = str(e.value)
     assert f"Config.{field}=" in msg and repr(list(values.values())[0]) in msg and allowed in msg
+
+
+def test_numeric_limits_are_accepted():
+    """The bounds themselves are allowed: the checks refuse only what cannot work."""
+    c = Config(collective_timeout_s=365 * 24 * 3600, mixed_precision="fp16", loss_scale=2.0**24,
+               initial_loss_scale=1e-3, prefetch_units=0, delayed_update_after=0, offload_optimizer="host")
+    assert c.collective_timeout_s == 31_536_000 and c.loss_scale == 2.0**24
 
 
 def test_unknown_key():

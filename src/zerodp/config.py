@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
@@ -25,6 +26,11 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Where Config.offload_optimizer may put the master and optimizer states.
 OFFLOAD_PLACES = ("none", "host", "disk")
+
+# The longest Config.collective_timeout_s: a year. Anything longer means "never", and past
+# ~292 years the timeout overflows the 64-bit nanosecond clocks torch converts it to
+# (gloo then refuses it as negative).
+MAX_TIMEOUT_S = 365 * 24 * 3600
 
 # Bits of each quantized format of `Config.quantize_grads`.
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
@@ -68,7 +74,7 @@ class Config:
     fp32 at twice the bytes."""
 
     loss_scale: Union[str, float] = "dynamic"
-    """fp16 only: "dynamic" (grow/back off, skip steps with inf/nan) or a fixed positive number."""
+    """fp16 only: "dynamic" (grow/back off, skip steps with inf/nan) or a fixed positive, finite number."""
 
     nonfinite_grads: str = "raise"
     """fp32/bf16 (no loss scaler): what a step does when the global gradient holds a nan or
@@ -77,7 +83,7 @@ class Config:
     or "proceed" and apply it. fp16 always skips such steps and backs off its loss scale."""
 
     initial_loss_scale: float = 2.0**16
-    """fp16 with dynamic scaling: the scale of the first step."""
+    """fp16 with dynamic scaling: the scale of the first step (positive, finite)."""
 
     loss_scale_growth_interval: int = 1000
     """fp16 with dynamic scaling: clean steps after which the scale doubles."""
@@ -194,7 +200,8 @@ class Config:
     """How long any of zerodp's collectives waits for the other ranks before every waiting
     rank raises an error naming the ranks that did not arrive and the collective each was
     last in ([Note: no silent hang] in distributed/failure.py); torch's default is 30
-    minutes. Raise it for steps or checkpoint writes that keep a rank away longer."""
+    minutes. Raise it for steps or checkpoint writes that keep a rank away longer (at most a
+    year, MAX_TIMEOUT_S)."""
 
     debug: bool = False
     """Check on every gather that all ranks run the same unit (stage 3), raising an error
@@ -209,24 +216,21 @@ class Config:
             raise _bad("mixed_precision", self.mixed_precision, f"use one of {sorted(DTYPES)}")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
             raise _bad("reduce_dtype", self.reduce_dtype, f"use None or one of {sorted(DTYPES)}")
-        ls = self.loss_scale
-        if isinstance(ls, str):
-            if ls != "dynamic":
-                raise _bad("loss_scale", ls, 'use "dynamic" or a positive number')
-        elif isinstance(ls, bool) or not isinstance(ls, (int, float)) or not ls > 0:
-            raise _bad("loss_scale", ls, 'use "dynamic" or a positive number')
+        if self.loss_scale != "dynamic":
+            # inf would overflow every scaled gradient: each fp16 step skipped, silently, forever.
+            _positive_finite("loss_scale", self.loss_scale, 'use "dynamic" or a positive, finite number')
         if self.nonfinite_grads not in ("raise", "skip", "proceed"):
             raise _bad("nonfinite_grads", self.nonfinite_grads, 'use "raise", "skip" or "proceed"')
-        if not _is_number(self.initial_loss_scale) or not self.initial_loss_scale > 0:
-            raise _bad("initial_loss_scale", self.initial_loss_scale, "use a positive number")
+        _positive_finite("initial_loss_scale", self.initial_loss_scale, "use a positive, finite number")
         _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
         _positive_int("bucket_bytes", self.bucket_bytes)
         _positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
         if self.replicate_size != "nodes":
             _positive_int("replicate_size", self.replicate_size)
         _positive_int("unit_min_params", self.unit_min_params)
-        if not _is_number(self.collective_timeout_s) or not self.collective_timeout_s > 0:
-            raise _bad("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
+        _positive_finite("collective_timeout_s", self.collective_timeout_s,
+                         f"use a positive number of seconds, at most {MAX_TIMEOUT_S:,} (a year)",
+                         at_most=MAX_TIMEOUT_S)
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
         for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
@@ -362,6 +366,13 @@ class Config:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive_finite(name: str, value: Any, fix: str, at_most: float = math.inf) -> None:
+    """A real number in (0, at_most]: nan, inf and negatives are refused here, by name,
+    rather than failing far from the Config (an OverflowError in a timedelta) or silently."""
+    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= at_most:
+        raise _bad(name, value, fix)
 
 
 def _positive_int(name: str, value: Any) -> None:

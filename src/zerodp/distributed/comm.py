@@ -58,8 +58,11 @@ class Comm:
         group = self.topology.group(axis)
         return dist.get_global_rank(group, rank) if group is not None else rank
 
-    def _run(self, record: CommRecord, call, *args, **kwargs):
-        return guarded(record, self.failures, call, *args, **kwargs)
+    def _run(self, record: CommRecord, group: Optional[dist.ProcessGroup], call, *args, **kwargs):
+        """Issue `call` on `group`; on gloo the ranks first agree that they all run this
+        collective ([Note: gloo pairing] in collectives.py)."""
+        agree_on = group if self.topology.backend == "gloo" else None
+        return guarded(record, self.failures, call, *args, agree_on=agree_on, group=group, **kwargs)
 
     # A single process needs no communication; these shortcuts keep world size 1 free of
     # a process group while recording the same volume (0 moved between ranks either way).
@@ -70,14 +73,14 @@ class Comm:
                                     axis, label)
         if self.topology.size(axis) == 1:
             return None
-        return self._run(record, dist.all_reduce, tensor, op=op, group=self.topology.group(axis), async_op=async_op)
+        return self._run(record, self.topology.group(axis), dist.all_reduce, tensor, op=op, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, phase: str, axis: str = "data", label: str = "") -> None:
         self._check("broadcast", tensor)
         record = self.ledger.record("broadcast", tensor.numel(), tensor.numel() * tensor.element_size(), phase,
                                     axis, label)
         if self.topology.size(axis) > 1:
-            self._run(record, dist.broadcast, tensor, src=self._peer(axis, src), group=self.topology.group(axis))
+            self._run(record, self.topology.group(axis), dist.broadcast, tensor, src=self._peer(axis, src))
 
     def all_gather_object(self, obj, phase: str = "control", label: str = "") -> list:
         """Every data-parallel rank's small Python object (agreement, checkpoint metadata)."""
@@ -85,19 +88,20 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        self._run(record, dist.all_gather_object, out, obj, group=self.topology.data_group)
+        self._run(record, self.topology.data_group, dist.all_gather_object, out, obj)
         return out
 
     def barrier(self, phase: str = "control", label: str = "") -> None:
         record = self.ledger.record("barrier", 0, 0, phase, label=label)
         if self.world_size > 1:
-            self._run(record, dist.barrier, group=self.topology.data_group)
+            self._run(record, self.topology.data_group, dist.barrier)
 
     # [Note: step fingerprint]
     # Ranks that issue different collectives usually fail at once (a timeout, mismatched
     # sizes), but not always: equal-sized collectives pair up across different calls (an
     # extra micro-batch's reduce-scatters against another rank's step all-gathers) and
-    # train silently wrong. The ledger keeps a CRC of every collective since the last step
+    # train silently wrong (on NCCL; gloo's never pair: [Note: gloo pairing] in
+    # collectives.py). The ledger keeps a CRC of every collective since the last step
     # (op, elements, bytes, phase, axis); before the master weights change, the ranks
     # all-reduce with MAX [nan/inf flag, crc, -crc]: one 24-byte collective per step, which
     # also carries the non-finite check the step needs anyway. max(crc) != -max(-crc) means

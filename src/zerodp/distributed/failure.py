@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 import time
 from typing import Optional
 
@@ -56,6 +57,39 @@ def describe(record: Optional[dict]) -> str:
     return f"{record['op']}/{record['phase']}{where}{size}, step {record['step']}"
 
 
+def as_dict(record: CommRecord) -> dict:
+    """What a rank publishes about its collective (plain data, for the store)."""
+    return {"op": record.op, "numel": record.numel, "phase": record.phase, "step": record.step,
+            "label": record.label}
+
+
+def describe_record(record: CommRecord) -> str:
+    return describe(as_dict(record))
+
+
+# How a collective's error reads when the peer's process is gone (gloo, TCPStore), not late.
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by peer", "connection refused",
+              "end of file")
+
+
+def what_happened(error: BaseException, elapsed_s: Optional[float], timeout_s: Optional[float]) -> str:
+    """The failure as it was: a timeout (after how long, of which limit), a peer that
+    closed its connection (its process exited or crashed) and when, or the backend's own
+    words; the backend's text is kept, without its source location or advice."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[/path/pair.cc:553] "
+    text = text.split(". This is typically", 1)[0][:300]
+    after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
+    limit = f" (Config.collective_timeout_s={timeout_s:g} s)" if timeout_s else ""
+    lowered = text.lower()
+    if any(s in lowered for s in _PEER_GONE):
+        return (f"failed{after}: a peer closed its connection ({text}): its process exited or crashed, or it gave "
+                f"up waiting in a collective of its own")
+    if "timed out" in lowered or "timeout" in type(error).__name__.lower():
+        return f"timed out{after}{limit}: {text}"
+    return f"failed{after}: {text}"
+
+
 def _default_store():
     """The store every rank of the default process group shares, or None. torch exposes it
     only through a private accessor; without it the error names this rank's collective alone."""
@@ -75,20 +109,20 @@ class FailureReport:
         self.namespace = f"{namespace}/{_GENERATIONS[namespace]}"
         self.reported: Optional[CollectiveError] = None
 
-    def raise_for(self, record: CommRecord, error: BaseException) -> None:
-        """Publish this rank's failing collective, gather the others' and raise."""
+    def raise_for(self, record: CommRecord, error: BaseException, started: Optional[float] = None) -> None:
+        """Publish this rank's failing collective, gather the others' and raise. `started`:
+        when the collective was issued (time.monotonic()), to say how long it ran."""
         if isinstance(error, LOCAL_ERRORS):  # a mistake in this rank's own call, not a lost peer
             raise error
         if isinstance(error, CollectiveError):
             raise error
         if self.reported is not None:  # the group is broken: every later collective fails alike
             raise CollectiveError(str(self.reported)) from error
-        mine = {"op": record.op, "numel": record.numel, "phase": record.phase, "step": record.step,
-                "label": record.label}
+        # Measured now: the exchange below waits for the peers' reports, which is not the collective's time.
+        elapsed = None if started is None else time.monotonic() - started
+        mine = as_dict(record)
         others = self._exchange(mine)
-        cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-        timeout = f" within {self.timeout_s:g} s (Config.collective_timeout_s)" if self.timeout_s else ""
-        lines = [f"rank {self.rank}: collective {describe(mine)} did not complete{timeout}: {cause}."]
+        lines = [f"rank {self.rank}: collective {describe(mine)} {what_happened(error, elapsed, self.timeout_s)}."]
         missing = []
         for r in range(self.world_size):
             if r == self.rank:
@@ -107,8 +141,9 @@ class FailureReport:
         if any(r.get("phase") == "checkpoint" for r in [mine, *others.values()] if r):
             lines.append("zerodp.save and zerodp.load must be called on every rank (each rank writes and reads "
                          "its own shard), not under `if rank == 0`.")
-        lines.append("Every rank must run the same forward, backward and step calls in the same order; "
-                     "an error on one rank fails the others at their next collective.")
+        lines.append("Every rank must run the same forward (eval ones too), backward, step and gathered_parameters "
+                     "calls in the same order (at stage 3 each gathers parameters: under `if rank == 0` it runs "
+                     "on one rank only); an error on one rank fails the others at their next collective.")
         self.reported = CollectiveError(" ".join(lines))
         log.error("%s", self.reported)
         raise self.reported from error

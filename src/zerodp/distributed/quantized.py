@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, Works, guarded
+from .collectives import Collectives, Works, guarded, pairs_by_order, wire_tag
 
 __all__ = ["QuantizedCollectives", "dequantize", "payload_nbytes", "quantize"]
 
@@ -121,7 +121,7 @@ class QuantizedCollectives(Collectives):
                                     self.axis, label)
         mine = quantize(input, bits, block).view(-1)
         gathered = torch.empty(self.size * mine.numel(), dtype=torch.uint8, device=input.device)
-        work = guarded(record, self.failures, self.exact.launch_all_gather, gathered, mine, True)
+        work = guarded(record, self.failures, self.exact.launch_all_gather, gathered, mine, True, wire_tag(record))
 
         def then():
             output.view(self.size, n).copy_(dequantize(gathered.view(self.size, -1), n, bits, block))
@@ -153,7 +153,7 @@ class QuantizedCollectives(Collectives):
         send = quantize(by_place, bits, block)
         received = torch.empty_like(send)
         guarded(first, self.failures, dist.all_to_all_single, received, send, group=self.node.group,
-                async_op=True).wait()
+                async_op=True, agree_on=_agree_on(self.node.group)).wait()
         node_sums = dequantize(received, c, bits, block).view(n, m, c).sum(dim=0)
         return self._across_nodes(output, node_sums, second, async_op)
 
@@ -167,8 +167,13 @@ class QuantizedCollectives(Collectives):
         send = quantize(node_sums, bits, block)
         received = torch.empty_like(send)
         work = guarded(record, self.failures, dist.all_to_all_single, received, send, group=self.cross_node.group,
-                       async_op=True)
+                       async_op=True, agree_on=_agree_on(self.cross_node.group))
 
         def then():
             output.copy_(dequantize(received, c, bits, block).sum(dim=0))
         return Works([work], then, record, self.failures).finish(async_op)
+
+
+def _agree_on(group):
+    """The group to agree on before an all-to-all, on gloo ([Note: gloo pairing] in collectives.py)."""
+    return group if pairs_by_order(group) else None

@@ -22,22 +22,85 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as nn_module
 
 from ..config import Config
 from ..distributed import Comm
 
+# Modules built under zerodp.init and not yet materialised -> the handle of their guard
+# (`_guard_unbuilt`). Weak: a model dropped before initialize takes its entry with it.
+_GUARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
 
 @contextlib.contextmanager
 def init(config: Optional[Config] = None) -> Iterator[None]:
-    """Construct modules on the meta device; `zerodp.initialize` materialises and shards them."""
+    """Construct modules on the meta device; `zerodp.initialize` materialises and shards them.
+
+    Each module built here that holds meta tensors is guarded until then: run on real
+    inputs before `zerodp.initialize`, it raises an error saying so, where torch would say
+    "Tensor on device meta is not on the expected device cpu!"."""
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"zerodp.init takes a zerodp.Config, got {type(config).__name__}")
-    with torch.device("meta"):
-        yield
+    built: dict[int, nn.Module] = {}
+
+    def note(module: nn.Module, name: str, value) -> None:
+        built[id(module)] = module
+    # torch's own hooks on every registration of a parameter, buffer or submodule: the
+    # modules built in this block, whatever classes they are.
+    handles = [nn_module.register_module_parameter_registration_hook(note),
+               nn_module.register_module_buffer_registration_hook(note),
+               nn_module.register_module_module_registration_hook(note)]
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    for m in built.values():
+        if m not in _GUARDS and has_meta(m):
+            _GUARDS[m] = (m.register_forward_pre_hook(_guard_forward, with_kwargs=True),
+                          m.register_load_state_dict_pre_hook(_guard_load))
+
+
+def _guard_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a module built under zerodp.init: refuses real inputs while its
+    tensors are still on the meta device (no storage, no values). Meta inputs (shape
+    tracing) pass; a module materialised some other way (`to_empty`) loses the guard."""
+    if not has_meta(module):
+        _release(module)
+        return None
+    tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+    if tensors and all(t.is_meta for t in tensors):
+        return None
+    raise RuntimeError(_used_too_early(module, "running it"))
+
+
+def _guard_load(module: nn.Module, state_dict, prefix, local_metadata, *args) -> None:
+    """load_state_dict pre-hook of the same modules: torch only warns that copying into a
+    meta tensor does nothing, and zerodp.initialize would then draw fresh values, so the
+    loaded weights would be lost. `assign=True` (which replaces the meta tensors) passes."""
+    if local_metadata.get("assign_to_params_buffers", False) or not has_meta(module):
+        return
+    raise RuntimeError(_used_too_early(module, "loading weights into it") + "; to load weights, call "
+                       "zerodp.load_pretrained or model.load_state_dict after zerodp.initialize")
+
+
+def _used_too_early(module: nn.Module, what: str) -> str:
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    return (f"{type(module).__name__} was built under zerodp.init, so its parameters are on the meta device, "
+            f"without storage or values ({len(meta)} of them, e.g. {meta[0]!r}), until zerodp.initialize(model, "
+            f"...) gives them storage and initialises them: call zerodp.initialize before {what}, or build the "
+            f"model outside zerodp.init to use it first")
+
+
+def _release(module: nn.Module) -> None:
+    for handle in _GUARDS.pop(module, ()):
+        handle.remove()
 
 
 def default_device() -> torch.device:
@@ -60,6 +123,7 @@ def materialize(model: nn.Module, device, on_param: Callable[[nn.Parameter, nn.P
                 registrations.setdefault(id(p), []).append((m, name))
     initialiser = _model_initialisers(model)
     for mname, m in model.named_modules():
+        _release(m)  # real from now on: the guard of zerodp.init goes
         fresh = []
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:

@@ -52,7 +52,8 @@ class RowSharding:
         if tp > 1:
             raise RuntimeError(f"{what} with Config.tensor_parallel_size={tp} is not supported: its DTensors span "
                                f"the data-parallel ranks only. Stages 0-2 give each rank's slices as plain tensors "
-                               f"(model.state_dict()); save those per tensor-parallel rank")
+                               f"(model.state_dict()); save those per tensor-parallel rank (the weights only: the "
+                               f"optimizer state has no checkpoint under tensor parallelism yet)")
 
     def row_range(self, shape: Sequence[int], rank: Optional[int] = None) -> tuple[int, int]:
         """The elements [lo, hi) of the flattened parameter that `rank` holds as a DTensor."""

@@ -70,7 +70,10 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
     `files`: the rank's OffloadDir, for Config.offload_params="disk"."""
     units = select_units(model, config.unit_modules, config.unit_min_params)
     assignment = assign_params(model, units, named)
-    home = shard_home(config, comm, [[named[i][1].shape for i in idx] for idx in assignment], files)
+    # A unit with no trainable parameter is not built, except the root, whose hooks begin
+    # and end every pass (it may own none: `unit_modules=(nn.Linear,)` leaves it nothing).
+    to_build = [ui for ui, idx in enumerate(assignment) if idx or ui == len(units) - 1]
+    home = shard_home(config, comm, [[named[i][1].shape for i in assignment[ui]] for ui in to_build], files)
     names = [n for n, _ in named]
     unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
     remaining = [len(idx) for idx in assignment]
@@ -105,8 +108,8 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
             if remaining[ui] == 0 and ui != len(units) - 1:
                 build(ui)  # shard as soon as the unit is complete, freeing its full copy
         materialize(model, default_device(), on_param)
-    for ui, idx in enumerate(assignment):
-        if (idx or ui == len(units) - 1) and ui not in built:
+    for ui in to_build:
+        if ui not in built:
             build(ui)
     flat_units = [built[ui] for ui in sorted(built)]
     if born_sharded:
@@ -131,16 +134,18 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
 
 
 def shard_home(config: Config, comm: Comm, unit_shapes: list, files) -> ShardHome:
-    """Where the units' shards live ([Note: shard homes] in shard_home.py). On disk, every
-    unit's parameter and gradient shard is reserved now, in one file, so that a disk too
-    small fails here, on every rank, before any unit is built."""
+    """Where the units' shards live ([Note: shard homes] in shard_home.py). On disk, the
+    parameter and gradient shard of every unit to be built (`unit_shapes`: the shapes of
+    each one's parameters) is reserved now, in one file, so that a disk too small fails
+    here, on every rank, before any unit is built."""
     kind = config.offload_params
     if kind == "host":
         return ShardHome("host", pinned=comm.device.type == "cuda")
     if kind != "disk":
         return ShardHome()
-    numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel if shapes else 0
-              for shapes in unit_shapes]
+    # The layout each unit is built with: a unit with no parameter still keeps a shard of
+    # one element per rank (its layout is padded to the shard size), as FlatUnit lays it out.
+    numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel for shapes in unit_shapes]
     arenas, problem = (None, None), None
     try:
         arenas = tuple(files.arena(Arena.nbytes_for([(n, dtype) for n in numels]))
