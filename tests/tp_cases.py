@@ -7,7 +7,8 @@ import torch
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import zerodp
-from tp_slices import error_of, expected_slice, max_diff_to_reference  # noqa: F401 - tests import them from here
+from tp_slices import (diffs_to_reference, error_of, expected_slice,  # noqa: F401 - tests import them from here
+                       max_diff_to_reference)
 from zerodp.demo.models import GPT, GPTConfig
 
 STEPS = 3
@@ -44,26 +45,36 @@ def global_batch(step: int, dp: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (dp * BATCH, SEQ + 1), generator=g)
 
 
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),  # scale-sensitive: a wrong scale shows
+              "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})}
+CLIP = 0.5
+# The parity grid: plain SGD at every stage (the strict check), AdamW where its state is sharded
+# as SGD's momentum is not (stage 1: the optimizer state; 3: everything).
+RUNS = tuple((stage, "sgd") for stage in range(4)) + ((1, "adamw"), (3, "adamw"))
+
+
 def make_optimizer(name: str):
-    if name == "sgd":  # scale-sensitive: a wrong gradient scale shows
-        return torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}
-    return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
+    return OPTIMIZERS[name]
 
 
-def reference(kind: str, opt_name: str, dp: int, lr=None, clip=0.5) -> dict:
-    """One process, the whole global batch, torch's optimizer, clipped as zerodp clips."""
+def reference(kind: str, opt_name: str, dp: int, lr=None, clip=CLIP) -> dict:
+    """One process, the whole global batch, torch's optimizer, clipped as zerodp clips; with
+    each step's clipped gradients, which the rounding bounds are computed from."""
     model = build(kind)
     cls, kwargs = make_optimizer(opt_name)
     opt = cls(model.parameters(), **{**kwargs, **({"lr": lr} if lr is not None else {})})
-    losses = []
+    losses, grads = [], []
     for step in range(STEPS):
         loss = loss_of(kind, model, global_batch(step, dp))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grads": grads, "grad_max": [max(float(g.abs().max()) for g in step.values()) for step in grads],
+            "numel": sum(p.numel() for p in model.parameters())}
 
 
 def local_params(model) -> dict:
@@ -101,14 +112,14 @@ def tp_world(rank: int, world_size: int) -> dict:
     refs = {}
     for kind in ("gpt", "llama"):
         for dp, tp in LAYOUTS:
-            for stage in (0, 1, 2, 3):
-                opt_name = "sgd" if stage % 2 == 0 else "adamw"
+            for stage, opt_name in RUNS:
                 key = (kind, opt_name, dp)
-                if key not in refs:
+                if key not in refs and rank == 0:
                     refs[key] = reference(kind, opt_name, dp)
-                out[(kind, dp, tp, stage)] = train(kind, opt_name, dp, tp, stage, rank)
-    refs[("llama_gqa", "sgd", 2)] = reference("llama_gqa", "sgd", 2)
-    out[("llama_gqa", 2, 2, 3)] = train("llama_gqa", "sgd", 2, 2, 3, rank)
+                out[(kind, dp, tp, stage, opt_name)] = train(kind, opt_name, dp, tp, stage, rank)
+    if rank == 0:
+        refs[("llama_gqa", "sgd", 2)] = reference("llama_gqa", "sgd", 2)
+    out[("llama_gqa", 2, 2, 3, "sgd")] = train("llama_gqa", "sgd", 2, 2, 3, rank)
     out["refs"] = refs
     # Pa and Pa+cpu: the same bits as without, with either use_reentrant mode.
     for kind in ("gpt", "llama"):
@@ -120,8 +131,12 @@ def tp_world(rank: int, world_size: int) -> dict:
     out["errors"] = bad_input(rank)
     out["user_path"] = {name: user_path(rank, **fields) for name, fields in
                         (("plain", {}), ("pa_cpu", PA["pa_cpu"]))}
-    out["user_path_ref"] = reference("llama", "adamw", 2, lr=1e-3, clip=1.0)
+    if rank == 0:
+        out["user_path_ref"] = reference("llama", "adamw", 2, lr=USER_PATH_LR, clip=1.0)
     return out
+
+
+USER_PATH_LR = 1e-3
 
 
 def user_path(rank: int, **fields) -> dict:
@@ -130,7 +145,7 @@ def user_path(rank: int, **fields) -> dict:
     model = build("llama", seed=rank)
     model.gradient_checkpointing_enable()  # HF's defaults, not this file's use_reentrant choice
     cfg = zerodp.Config(stage=3, mixed_precision="bf16", grad_accumulation_steps=2, tensor_parallel_size=2, **fields)
-    model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-3, weight_decay=0.1)
+    model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=USER_PATH_LR, weight_decay=0.1)
     dp_rank, losses = rank // 2, []
     for step in range(STEPS):
         ids = global_batch(step, 2)[dp_rank * BATCH:(dp_rank + 1) * BATCH]

@@ -3,7 +3,8 @@ spawned world (test_tensor_parallel_edges.py): clipping with the inf-, 2- and 1-
 torch's clip_grad_norm_ on one process; a nan/inf on one tensor-parallel rank skipping the
 step everywhere (fp32 under nonfinite_grads="skip", and fp16); Pa and Pa+cpu for layers that
 take two tensor inputs, checkpointed through a model-level `_gradient_checkpointing_func`,
-with dropout in the replicated region; an in-place change to a checkpointed input.
+with dropout in the replicated region; an in-place change to a checkpointed input; dropout in
+the split region and the input check (tp_region_cases.py).
 
 Every rank builds its model from a seed of its own: initialize must start all of them from
 rank 0's weights (and tensor-parallel rank 0's random state)."""
@@ -84,17 +85,24 @@ def gpt_zero(rank: int, stage: int, **fields):
     return zerodp.initialize(gpt(seed=rank), torch.optim.SGD, cfg, lr=LR)
 
 
+def grad_max(model: nn.Module) -> float:
+    return max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+
+
 def clip_reference(norm_type: float) -> dict:
-    """One process, the global batch, torch's clip_grad_norm_ and SGD."""
+    """One process, the global batch, torch's clip_grad_norm_ and SGD; each step's largest
+    clipped gradient element, which the rounding bounds are computed from."""
     model = gpt(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    norms = []
+    norms, largest = [], []
     for step in range(STEPS):
         gpt_loss(model, gpt_batch(step)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)))
+        largest.append(grad_max(model))
         opt.step()
         opt.zero_grad()
-    return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grad_max": largest, "numel": sum(p.numel() for p in model.parameters())}
 
 
 def clip_run(rank: int, stage: int, norm_type: float) -> dict:
@@ -158,24 +166,26 @@ def nonfinite_run(rank: int, stage: int, how: str, clip, precision: str = "fp32"
 
 # -- a model whose checkpointed layers take two tensors -------------------------------------
 class GatedMLP(nn.Module):
-    """fc column-, proj row-parallel: its input enters the tensor-parallel region."""
+    """fc column-, proj row-parallel: its input enters the tensor-parallel region; `inner`
+    drops out in the split region between them."""
 
-    def __init__(self):
+    def __init__(self, inner_dropout: float = 0.0):
         super().__init__()
         self.fc = nn.Linear(TWO_HIDDEN, TWO_INNER)
+        self.inner = nn.Dropout(inner_dropout)
         self.proj = nn.Linear(TWO_INNER, TWO_HIDDEN)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(h)))
+        return self.proj(self.inner(F.gelu(self.fc(h))))
 
 
 class GatedLayer(nn.Module):
     """x + dropout(mlp(norm(x) * gate)); the dropout acts in the replicated region."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, inner_dropout: float = 0.0):
         super().__init__()
         self.norm = nn.LayerNorm(TWO_HIDDEN)
-        self.mlp = GatedMLP()
+        self.mlp = GatedMLP(inner_dropout)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -186,7 +196,7 @@ class FlatGatedLayer(nn.Module):
     """The same computation with the projections held by the layer itself, so the layer is
     the module that encloses the column-parallel fc."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, inner_dropout: float = 0.0):
         super().__init__()
         self.norm = nn.LayerNorm(TWO_HIDDEN)
         self.fc = nn.Linear(TWO_HIDDEN, TWO_INNER)
@@ -209,12 +219,12 @@ class TwoInputNet(nn.Module):
                             "head": "lm_head"}
     layer_class = GatedLayer
 
-    def __init__(self, dropout: float = 0.0):
+    def __init__(self, dropout: float = 0.0, inner_dropout: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(TWO_VOCAB, TWO_HIDDEN)
         self.gate = nn.Parameter(torch.randn(TWO_SEQ, TWO_HIDDEN))
         self.drop = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(self.layer_class(dropout) for _ in range(TWO_LAYERS))
+        self.layers = nn.ModuleList(self.layer_class(dropout, inner_dropout) for _ in range(TWO_LAYERS))
         self.norm = nn.LayerNorm(TWO_HIDDEN)
         self.head = nn.Linear(TWO_HIDDEN, TWO_VOCAB, bias=False)
         self.mutate_inputs = False  # change each layer's input in place once the layer has run
@@ -251,9 +261,10 @@ class FlatTwoInputNet(TwoInputNet):
 MODELS = {"nested": TwoInputNet, "flat": FlatTwoInputNet}
 
 
-def two_input_net(seed: int, dropout: float, reentrant=None, kind: str = "nested") -> TwoInputNet:
+def two_input_net(seed: int, dropout: float, reentrant=None, kind: str = "nested",
+                  inner_dropout: float = 0.0) -> TwoInputNet:
     torch.manual_seed(seed)
-    model = MODELS[kind](dropout)
+    model = MODELS[kind](dropout, inner_dropout)
     if reentrant is not None:
         model.gradient_checkpointing_enable(reentrant)
     return model.train()
@@ -270,14 +281,16 @@ def two_batch(step: int, dp_rank=None) -> tuple[torch.Tensor, torch.Tensor]:
 def two_input_reference(kind: str) -> dict:
     model = two_input_net(seed=0, dropout=0.0, reentrant=False, kind=kind)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    losses, largest = [], []
     for step in range(STEPS):
         loss = model(*two_batch(step))
         loss.backward()
+        largest.append(grad_max(model))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grad_max": largest}
 
 
 def two_input_run(rank: int, dropout: float, reentrant: bool, late_enable: bool = False, kind: str = "nested",
@@ -341,6 +354,10 @@ def edge_world(rank: int, world_size: int) -> dict:
         for name, fields in PA.items():
             out[("two", reentrant, name)] = two_input_run(rank, DROPOUT, reentrant, **fields)
     out[("two", "late_pa")] = two_input_run(rank, DROPOUT, False, late_enable=True, partition_activations=True)
+    # The split region's random stream and the input check (tp_region_cases.py, which builds on this file).
+    from tp_region_cases import region_world
+
+    out.update(region_world(rank))
     # Last: these backward passes stop part-way, on every rank alike.
     for reentrant in (False, True):
         out[("in_place", reentrant, "torch")] = in_place_after_forward(rank, reentrant, under_zerodp=False)

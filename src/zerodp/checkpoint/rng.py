@@ -1,4 +1,12 @@
-"""Each rank's random number generator states (torch, CUDA, python, numpy), as JSON."""
+"""Each rank's random number generator states (torch, CUDA, python, numpy), as JSON.
+
+Under tensor parallelism these are also the split region's streams: each is drawn from the
+default generator's state when a column-parallel layer opens the region ([Note:
+tensor-parallel random streams] in tensor_parallel/rng.py), so restoring the default
+generator restores both, and a checkpoint holds no second state. zerodp.save takes the state
+between steps, when the default generator runs the replicated stream: the root module's
+forward closes any region it leaves open, and a recomputation in backward has its generator
+state put back by torch.utils.checkpoint."""
 from __future__ import annotations
 
 import base64

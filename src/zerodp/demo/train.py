@@ -26,7 +26,7 @@ import torch
 import zerodp
 from zerodp.demo import data as zdata
 from zerodp.memory import estimator
-from zerodp.config import DTYPES, Config
+from zerodp.config import DTYPES, Config, ConfigError
 from zerodp.memory import formula_bytes
 from zerodp.demo.models import GPT, PRESETS, Block, gpt_config
 
@@ -172,6 +172,10 @@ class Job:
             log.warning("--nproc %d but the world has %d processes; using %d",
                         args.nproc, self.world_size, self.world_size)
         self.cfg = build_config(args)
+        if self.cfg.tensor_parallel_size > 1 and (args.ckpt_every or args.resume or args.max_restarts):
+            # Every rank raises here, before any collective.
+            raise ConfigError(f"tensor_parallel_size={self.cfg.tensor_parallel_size}: zerodp checkpoints do not hold "
+                              f"tensor-parallel slices yet: run without --ckpt-every, --resume and --max-restarts")
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         else:
@@ -181,8 +185,10 @@ class Job:
         if self.block_size > gcfg.block_size:
             gcfg = dataclasses.replace(gcfg, block_size=self.block_size)
         torch.manual_seed(args.seed)
-        if self.cfg.stage == 3 and hasattr(zerodp, "init"):
-            with zerodp.init(self.cfg):  # stage 3: built on the meta device, born sharded by initialize
+        # Stage 3 builds on the meta device (born sharded by initialize); tensor parallelism
+        # splits real weights, so it builds them whole.
+        if self.cfg.stage == 3 and self.cfg.tensor_parallel_size == 1 and hasattr(zerodp, "init"):
+            with zerodp.init(self.cfg):
                 model = GPT(gcfg)
         else:
             model = GPT(gcfg).to(self.device)
@@ -191,6 +197,9 @@ class Job:
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
         self.model, self.opt = zerodp.initialize(model, torch.optim.AdamW, self.cfg, params=groups,
                                                  lr=args.lr, betas=(0.9, 0.95))
+        # Data by data-parallel rank: every rank of a tensor-parallel group reads the same
+        # batches (without tensor parallelism these are the global rank and size).
+        self.data_rank, self.data_size = self.opt.comm.rank, self.opt.comm.world_size
         self.splits = zdata.load_splits()
         self.start_step = 0
         self.losses: list[tuple[int, float]] = []
@@ -202,7 +211,7 @@ class Job:
         if args.resume:
             self._resume()
         self.train_batches = zdata.TokenBatches(self.splits, "train", args.batch_size, self.block_size,
-                                                seed=args.seed, rank=self.rank, world_size=self.world_size)
+                                                seed=args.seed, rank=self.data_rank, world_size=self.data_size)
         # Skip the batches the resumed steps already consumed: the run continues the same stream.
         for _ in range(self.start_step * self.cfg.grad_accumulation_steps):
             next(self.train_batches)
@@ -227,6 +236,10 @@ class Job:
             console.info("resumed from %s at step %d", path, self.start_step)
 
     def save(self, step: int) -> None:
+        if self.cfg.tensor_parallel_size > 1:  # refused up front when asked for; the final one is skipped
+            log.warning("tensor parallelism: zerodp checkpoints do not hold tensor-parallel slices yet; not saving "
+                        "step %d", step)
+            return
         if not self._checkpoints_available():
             if self.args.ckpt_dir or self.args.ckpt_every:
                 log.warning("checkpoints are not available in this install: not saving step %d", step)
@@ -239,13 +252,15 @@ class Job:
 
     # -- evaluation ---------------------------------------------------------------------
     def mean_over_ranks(self, value: torch.Tensor) -> float:
-        return float(self.opt.comm.sum_scalar(value.detach())) / self.world_size
+        """The mean over the data-parallel ranks (the ranks of a tensor-parallel group hold
+        the same value)."""
+        return float(self.opt.comm.sum_scalar(value.detach())) / self.data_size
 
     @torch.no_grad()
     def val_loss(self, iters: int = 4) -> float:
         self.model.eval()
         batches = zdata.TokenBatches(self.splits, "val", self.args.batch_size, self.block_size,
-                                     seed=self.args.seed + 1, rank=self.rank, world_size=self.world_size)
+                                     seed=self.args.seed + 1, rank=self.data_rank, world_size=self.data_size)
         total = torch.zeros((), device=self.device)
         for _ in range(iters):
             x, y = next(batches)
@@ -271,7 +286,7 @@ class Job:
         args, cfg, ledger = self.args, self.cfg, self.opt.comm.ledger
         accum = cfg.grad_accumulation_steps
         eval_every = args.eval_every or max(1, args.steps // 10)
-        tokens_per_step = args.batch_size * self.block_size * accum * self.world_size
+        tokens_per_step = args.batch_size * self.block_size * accum * self.data_size
         bar = tqdm(total=args.steps, initial=self.start_step, disable=self.rank != 0, desc="train",
                    dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         not_step = set()  # ids of ledger records from evaluation, not from a training step
@@ -328,7 +343,7 @@ class Job:
 
     # -- the record -----------------------------------------------------------------------
     def summarize(self, wall: float, text: str, tokens_per_step: int) -> dict:
-        cfg, n = self.cfg, self.world_size
+        cfg, n = self.cfg, self.data_size  # ZeRO shards over the data-parallel ranks
         mem = self.opt.memory_report()
         psi = mem.numel
         pb = cfg.compute_dtype.itemsize
@@ -344,7 +359,8 @@ class Job:
         first = self.losses[0][1] if self.losses else float("nan")
         tail = [v for _, v in self.losses[-10:]]
         return {
-            "stage": cfg.stage, "world_size": n, "model": self.args.model, "numel": psi,
+            "stage": cfg.stage, "world_size": self.world_size, "data_parallel_size": n, "model": self.args.model,
+            "numel": psi,
             "mesh": {"replicate": self.opt.comm.topology.replicate_size, "shard": self.opt.comm.topology.shard_size},
             "precision": cfg.mixed_precision, "device": str(self.device.type),
             "backend": "nccl" if self.device.type == "cuda" else "gloo",
@@ -373,6 +389,7 @@ class Job:
 def summary_table(s: dict) -> str:
     """The run against DDP and against the stage's formula, as a few aligned lines."""
     psi, n = s["numel"], s["world_size"]
+    tp = n // s.get("data_parallel_size", n)
     b = s["bytes_per_param"]
     mem = s["memory"]
     ddp_factor = b["param"] + b["grad"] + b["k"]
@@ -387,7 +404,8 @@ def summary_table(s: dict) -> str:
          "%s (2Ψ)" % fmt_numel(2 * psi), "%s (%dΨ)" % (fmt_numel(s["volume_numel_expected"]), s["volume_factor"])),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"stage {s['stage']} on N={n} ranks ({s['backend']}, {s['device']}), model {s['model']}, "
+    mesh = f" (data {n // tp} x tensor {tp})" if tp > 1 else ""
+    lines = [f"stage {s['stage']} on N={n} ranks{mesh} ({s['backend']}, {s['device']}), model {s['model']}, "
              f"Ψ = {psi:,} params, {s['precision']}; DDP holds {ddp_factor}Ψ bytes "
              f"({b['param']}+{b['grad']}+{b['k']}) per rank"]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

@@ -16,7 +16,16 @@ trainer state, RNG states, checkpoint rotation) to the Trainer:
   shards, not over each rank's own gradients).
 - checkpoints: `save_steps` folders get the full model (`model.safetensors`, loadable by
   `from_pretrained`) and, in `zerodp/`, zerodp's sharded checkpoint of model and optimizer,
-  which `resume_from_checkpoint` loads at any world size and stage.
+  which `resume_from_checkpoint` loads at any world size and stage. A folder is written
+  under a staging name and renamed `checkpoint-N` once every rank has written all of it, so
+  a run killed while saving leaves no `checkpoint-N` half written; `resume_from_checkpoint=
+  True` also passes over any folder that lacks what a complete one holds (from before).
+- tensor parallelism (`Config.tensor_parallel_size`): the ranks of a tensor-parallel group
+  compute one model on one batch, so the data loaders hand out batches by data-parallel
+  rank and size (each group reads what one rank of a DDP run of its size reads), the loss
+  is scaled and token counts divided by the data-parallel size, and evaluation gathers one
+  copy of each group's outputs. zerodp checkpoints do not hold tensor-parallel slices yet:
+  `save_strategy` must be "no".
 
 Mixed precision comes from `TrainingArguments(bf16=True)` / `fp16=True` (mapped to
 Config.mixed_precision); DeepSpeed, FSDP and torch.compile are refused.
@@ -24,21 +33,62 @@ Config.mixed_precision); DeepSpeed, FSDP and torch.compile are refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
-from typing import Optional, Union
+import re
+import shutil
+from typing import Any, Optional, Union
 
 import torch
 import transformers
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+from accelerate.utils import gather_object, recursively_apply
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from ..api import initialize
 from ..checkpoint import full_state_dict, load, save
+from ..checkpoint.format import COMPLETE
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
 
-__all__ = ["Trainer", "CHECKPOINT_DIR"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Trainer", "CHECKPOINT_DIR", "STAGING_DIR", "last_complete_checkpoint"]
 
 CHECKPOINT_DIR = "zerodp"  # inside each checkpoint-N folder
+STAGING_DIR = ".zerodp-staging"  # inside the output dir: checkpoint-N while it is written
 _SCHEDULER = "scheduler.pt"  # the Trainer's own name for it
+_TRAINER_STATE = "trainer_state.json"  # written last of the Trainer's own files
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def last_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The `checkpoint-N` folder of `output_dir` with the largest N that is complete: the
+    Trainer's state written, and zerodp's checkpoint (if it has one) committed. Folders that
+    are not are passed over, with a warning (a run killed while saving, before saves were
+    atomic)."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = _CHECKPOINT_NAME.match(name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    for _, path in sorted(found, reverse=True):
+        zerodp_dir = os.path.join(path, CHECKPOINT_DIR)
+        if os.path.isfile(os.path.join(path, _TRAINER_STATE)) and (
+                not os.path.isdir(zerodp_dir) or os.path.isfile(os.path.join(zerodp_dir, COMPLETE))):
+            return path
+        log.warning("%s is incomplete (no %s, or zerodp/ without %s): not resuming from it", path, _TRAINER_STATE,
+                    COMPLETE)
+    return None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Trainer(transformers.Trainer):
@@ -49,7 +99,84 @@ class Trainer(transformers.Trainer):
         if not isinstance(config, Config):
             raise TypeError(f"zerodp_config must be a zerodp.Config or a dict, got {type(config).__name__}")
         self.zerodp_config = config
+        self._staging = False  # _save_checkpoint in progress: the output dir is the staging one
         super().__init__(*args, **kwargs)
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp, world = self.zerodp_config.tensor_parallel_size, self.args.world_size
+        if tp == 1:
+            return
+        if world % tp:
+            raise ConfigError(f"zerodp_config.tensor_parallel_size={tp} does not divide the {world} processes of "
+                              f"this run: launch a multiple of {tp} processes, or choose a size that divides {world}")
+        if self.args.save_strategy != SaveStrategy.NO:
+            raise ConfigError(f"zerodp_config.tensor_parallel_size={tp}: zerodp's checkpoints do not hold "
+                              f"tensor-parallel slices yet, so the Trainer could not save one: set "
+                              f"TrainingArguments(save_strategy='no') (save_strategy={self.args.save_strategy!r})")
+
+    # -- tensor parallelism: one batch per tensor-parallel group -----------------------------------
+    def get_tp_size(self) -> int:
+        """The Trainer divides its token counts and scales the loss by this: the ranks of a
+        tensor-parallel group see one batch."""
+        return self.zerodp_config.tensor_parallel_size
+
+    def _data_parallel_place(self) -> tuple[int, int]:
+        """(rank, size) among the data-parallel ranks: tensor-parallel groups are consecutive
+        ranks (zerodp's [Note: tensor-parallel axis]), so global rank = dp rank x tp + tp rank."""
+        tp = self.zerodp_config.tensor_parallel_size
+        return self.args.process_index // tp, self.args.world_size // tp
+
+    def _get_dataloader(self, *args, **kwargs):
+        loader = super()._get_dataloader(*args, **kwargs)
+        if self.zerodp_config.tensor_parallel_size > 1:
+            self._shard_by_data_parallel_rank(loader)
+        return loader
+
+    def _shard_by_data_parallel_rank(self, loader) -> None:
+        """accelerate hands each process its share of the batches by process index; under
+        tensor parallelism the share is the data-parallel rank's, the same on every rank of a
+        tensor-parallel group (as the Trainer does itself for a sampler already rank-aware)."""
+        rank, size = self._data_parallel_place()
+        if isinstance(loader, DataLoaderDispatcher):
+            raise ConfigError("zerodp_config.tensor_parallel_size > 1 with accelerate's dispatch_batches (the default "
+                              "for an iterable dataset): every rank of a tensor-parallel group must read the same "
+                              "batch: pass TrainingArguments(accelerator_config={'dispatch_batches': False}) or a "
+                              "map-style dataset")
+        candidates = (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
+                      getattr(loader, "dataset", None))
+        shards = [s for s in candidates if isinstance(s, (BatchSamplerShard, IterableDatasetShard))]
+        if not shards:
+            raise ConfigError(f"zerodp_config.tensor_parallel_size > 1: the data loader over a "
+                              f"{type(loader.dataset).__name__} is not sharded by accelerate's samplers, so zerodp "
+                              f"cannot hand each tensor-parallel group one batch: use a map-style dataset or a torch "
+                              f"IterableDataset (a datasets.IterableDataset is split by process before zerodp sees it)")
+        for shard in shards:
+            shard.num_processes, shard.process_index = size, rank
+            if size == 1 and isinstance(shard, BatchSamplerShard):
+                # One data-parallel rank reads as one process does, where accelerate does not
+                # shard: its last batch short, not filled up from the start.
+                shard.even_batches = False
+
+    def _gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        """accelerate's gather_for_metrics with one copy of each tensor-parallel group's
+        outputs: every rank of a group evaluated the same batch. The last batch is then cut to
+        the dataset's remainder, as accelerate does (its remainder is counted over the
+        data-parallel ranks, by the samplers above)."""
+        tp = self.zerodp_config.tensor_parallel_size
+        gathered = gather_object(input_data) if use_gather_object else self.accelerator.gather(input_data)
+
+        def one_per_group(x):
+            chunk = len(x) // self.args.world_size
+            return [v for i in range(0, len(x), chunk * tp) for v in x[i:i + chunk]] if isinstance(x, list) else \
+                x.reshape(self.args.world_size, chunk, *x.shape[1:])[::tp].reshape(-1, *x.shape[1:])
+
+        data = one_per_group(gathered) if use_gather_object else recursively_apply(one_per_group, gathered)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = data[:state.remainder] if use_gather_object else recursively_apply(
+                lambda x: x[:state.remainder], data)
+        return data
 
     # -- setup -----------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -68,6 +195,10 @@ class Trainer(transformers.Trainer):
         # The Trainer calls accelerator.backward(loss); zerodp's optimizer does the backward
         # (the fp16 loss scale, its accumulation window).
         self.accelerator.backward = self._zerodp_backward
+        if self.zerodp_config.tensor_parallel_size > 1:  # evaluation resets gather_function to this
+            self.accelerator.gather_for_metrics = self._gather_for_metrics
+            self.gather_function = functools.partial(self._gather_for_metrics,
+                                                     use_gather_object=self.args.eval_use_gather_object)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if isinstance(self.optimizer, ZeroOptimizer):
@@ -102,6 +233,51 @@ class Trainer(transformers.Trainer):
         return float(grad_norm)
 
     # -- saving ---------------------------------------------------------------------------------
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, STAGING_DIR) if self._staging else run_dir
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, as atomic as zerodp.save: every rank writes into
+        `STAGING_DIR/checkpoint-N`, which is renamed `checkpoint-N` once all of them are done;
+        the Trainer's rotation then runs on the output dir."""
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final, staging = os.path.join(run_dir, name), os.path.join(run_dir, STAGING_DIR, name)
+        comm = self.optimizer.comm
+        if self.args.should_save and os.path.exists(staging):  # left by a run killed while saving it
+            shutil.rmtree(staging)
+        comm.barrier(label="Trainer checkpoint staging")
+        self._staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = False
+        best = self.state.best_model_checkpoint
+        renamed = best is not None and os.path.dirname(best) == os.path.dirname(staging)  # the staging name, seen
+        if renamed:
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+        comm.barrier(label="Trainer checkpoint written")
+        if self.args.should_save:
+            if renamed:
+                self.state.save_to_json(os.path.join(staging, _TRAINER_STATE))
+            self._commit_checkpoint(staging, final, run_dir)
+        comm.barrier(label="Trainer checkpoint committed")
+
+    def _commit_checkpoint(self, staging: str, final: str, run_dir: str) -> None:
+        """Rename the staged folder into place (a folder of the same step from an earlier run
+        goes first), then rotate as the Trainer would have."""
+        if os.path.exists(final):
+            old = os.path.join(run_dir, STAGING_DIR, f"replaced-{os.path.basename(final)}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(staging, final)
+        _fsync_dir(run_dir)
+        shutil.rmtree(os.path.join(run_dir, STAGING_DIR), ignore_errors=True)  # saves run one at a time
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         if not isinstance(self.optimizer, ZeroOptimizer):  # before training: a plain model
             return super().save_model(output_dir, _internal_call)
@@ -116,6 +292,15 @@ class Trainer(transformers.Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
     # -- resuming -------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint is True:  # the last checkpoint-N that is complete, not merely the last
+            found = last_complete_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint-N folder in "
+                                 f"{self.args.output_dir}: pass the path of one, or start without resuming")
+            resume_from_checkpoint = found
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):
             return  # the weights come with zerodp's checkpoint, once the model is sharded

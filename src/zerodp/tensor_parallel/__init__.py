@@ -1,5 +1,6 @@
-"""Tensor parallelism beside ZeRO: Megatron's layers over the ``tp`` mesh axis, and ZeRO-R's
-partitioned activation checkpoints (Pa, Pa+cpu). docs/tensor_parallel.md."""
+"""Tensor parallelism beside ZeRO: Megatron's layers over the ``tp`` mesh axis, their own random
+stream in the split region, a check that every tensor-parallel rank is fed the same input,
+and ZeRO-R's partitioned activation checkpoints (Pa, Pa+cpu). docs/tensor_parallel.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,29 +12,34 @@ import torch.nn as nn
 from ..config import Config
 from ..distributed import Comm
 from .activations import CheckpointStore
+from .inputs import InputFingerprint
 from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
 from .plan import apply_tensor_parallel, plan_of
 
-__all__ = ["CheckpointStore", "ColumnParallelLinear", "RegionEntry", "RowParallelLinear", "TensorParallelModel",
-           "VocabParallelEmbedding", "apply_tensor_parallel", "parallelize", "plan_of"]
+__all__ = ["CheckpointStore", "ColumnParallelLinear", "InputFingerprint", "RegionEntry", "RowParallelLinear",
+           "TensorParallelModel", "VocabParallelEmbedding", "apply_tensor_parallel", "parallelize", "plan_of"]
 
 
 @dataclass(frozen=True)
 class TensorParallelModel:
     """What `parallelize` did to a model: the parameters it split over the ``tp`` axis (by
-    name; the rest are replicated there) and the checkpoint store, with Pa or Pa+cpu."""
+    name; the rest are replicated there), the checkpoint store, with Pa or Pa+cpu, and the
+    input check ([Note: tensor-parallel input fingerprint]) under tensor parallelism."""
 
     split_names: frozenset
     checkpoints: Optional[CheckpointStore]
+    inputs: Optional[InputFingerprint] = None
 
 
 def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[TensorParallelModel]:
     """Split `model` in place by its plan (tensor_parallel_size > 1) and install the checkpoint
     store (partition_activations / activations_on_host); None when neither is asked for."""
-    split = frozenset()
+    split, inputs = frozenset(), None
     if config.tensor_parallel_size > 1:
         _same_on_every_tp_rank(model, comm)
         split = apply_tensor_parallel(model, comm)
+        inputs = InputFingerprint(comm)
+        inputs.install(model)
     store = None
     # Under tensor parallelism the store also keeps whole checkpoints (no Pa), so that the
     # ledger counts them either way.
@@ -42,14 +48,15 @@ def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[Tensor
         store.install(model)
     if not split and store is None:
         return None
-    return TensorParallelModel(split, store)
+    return TensorParallelModel(split, store, inputs)
 
 
 @torch.no_grad()
 def _same_on_every_tp_rank(model: nn.Module, comm: Comm) -> None:
     """Tensor-parallel rank 0's weights, buffers and random state on every rank of its group,
     as DDP starts from rank 0's: each rank cuts its slice of the same weights, the replicated
-    ones stay equal, and dropout outside the split layers draws the same numbers."""
+    ones stay equal, and dropout outside the split region draws the same numbers (inside it,
+    each rank's own: [Note: tensor-parallel random streams])."""
     for t in [*model.parameters(), *model.buffers()]:
         if t.device == comm.device and t.is_contiguous():
             comm.broadcast(t.data, 0, "init", axis="tp", label="tensor-parallel start")

@@ -28,12 +28,14 @@ every collective goes through `zerodp.comm` so the ledger counts it on the ``tp`
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import Comm
+from .rng import SplitRegionRNG
 
 __all__ = ["ColumnParallelLinear", "RegionEntry", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp",
            "reduce_from_tp", "gather_from_tp"]
@@ -123,17 +125,24 @@ class RegionEntry:
 class ColumnParallelLinear(nn.Module):
     """A Linear holding this rank's slice of the output features; its input enters the
     tensor-parallel region through `region` (Megatron's f); `gather_output` all-gathers the
-    output slices (the LM head)."""
+    output slices (the LM head). Without it the output is split, and so are the random
+    numbers drawn after it (`rng`: [Note: tensor-parallel random streams])."""
 
-    def __init__(self, weight: nn.Parameter, bias, region: RegionEntry, gather_output: bool = False):
+    def __init__(self, weight: nn.Parameter, bias, region: RegionEntry, gather_output: bool = False,
+                 rng: Optional[SplitRegionRNG] = None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.comm, self.region, self.gather_output = region.comm, region, gather_output
+        self.rng = None if gather_output else rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.region(x)
         y = F.linear(x, self.weight, self.bias)
-        return gather_from_tp(y, self.comm) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_tp(y, self.comm)
+        if self.rng is not None:
+            self.rng.open()
+        return y
 
     def extra_repr(self) -> str:
         return f"local_out={self.weight.shape[0]}, in={self.weight.shape[1]}, tp={self.comm.topology.tp_size}"
@@ -141,13 +150,16 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """A Linear holding this rank's slice of the input features; the partial outputs are
-    summed over the tensor-parallel ranks, then the (replicated) bias is added once."""
+    summed over the tensor-parallel ranks, then the (replicated) bias is added once. Its input
+    closes the split region of `rng`."""
 
-    def __init__(self, weight: nn.Parameter, bias, comm: Comm):
+    def __init__(self, weight: nn.Parameter, bias, comm: Comm, rng: Optional[SplitRegionRNG] = None):
         super().__init__()
-        self.weight, self.bias, self.comm = weight, bias, comm
+        self.weight, self.bias, self.comm, self.rng = weight, bias, comm, rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rng is not None:
+            self.rng.close()
         y = reduce_from_tp(F.linear(x, self.weight), self.comm)
         return y + self.bias if self.bias is not None else y
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 from ..config import ConfigError
 from ..distributed import Comm
 from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
+from .rng import SplitRegionRNG
 
 __all__ = ["plan_of", "apply_tensor_parallel"]
 
@@ -136,12 +137,18 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | N
     if not chosen or (own and unmatched):
         raise ConfigError(f"the tensor-parallel plan of {type(model).__name__} matches no module for "
                           f"{unmatched or sorted(plan)}: check the module names")
+    rng = SplitRegionRNG(comm.device, comm.topology.tp_rank)
     splitter.apply()
     region = RegionEntry(comm)
     for name, module, style in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
-        setattr(parent, attr, _parallel_module(module, style, comm, region))
+        setattr(parent, attr, _parallel_module(module, style, comm, region, rng))
+    # No region is open where the root module's forward begins or ends: one left open (an
+    # exception in it, a recomputation without preserve_rng_state that stopped early) must not
+    # leave the replicated region drawing this rank's numbers: [Note: tensor-parallel random streams].
+    model.register_forward_pre_hook(lambda module, args: rng.close())
+    model.register_forward_hook(lambda module, args, output: rng.close(), always_call=True)
     _SPLIT.add(model)
     return frozenset(n for n, p in model.named_parameters() if id(p) in splitter.cut)
 
@@ -180,10 +187,11 @@ def _plan_split(module: nn.Module, style: str, name: str, splitter: _Splitter) -
             splitter.plan(module.bias, 0, parts, where)
 
 
-def _parallel_module(module: nn.Module, style: str, comm: Comm, region: RegionEntry) -> nn.Module:
+def _parallel_module(module: nn.Module, style: str, comm: Comm, region: RegionEntry,
+                     rng: SplitRegionRNG) -> nn.Module:
     """The tensor-parallel layer that takes over `module`'s (already cut) parameters."""
     if style == "embedding":
         return VocabParallelEmbedding(module.weight, comm, module.padding_idx)
     if style == "rowwise":
-        return RowParallelLinear(module.weight, module.bias, comm)
-    return ColumnParallelLinear(module.weight, module.bias, region, gather_output=style == "lm_head")
+        return RowParallelLinear(module.weight, module.bias, comm, rng)
+    return ColumnParallelLinear(module.weight, module.bias, region, gather_output=style == "lm_head", rng=rng)
