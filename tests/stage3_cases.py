@@ -219,11 +219,11 @@ def hard_cases(rank, world_size):
             "tied": model.proj_out.weight is model.proj_in.weight,
         }
     # A later step takes another branch than the recorded order: prefetch follows the record,
-    # the result still equals DDP's, and nothing hangs. A unit skipped in a step has a zero
-    # gradient (its Adam moments still decay), as DDP's with zero_grad(set_to_none=False).
+    # the result still equals DDP's, and nothing hangs. A unit skipped in a step has no
+    # gradient and is not stepped, as DDP's after zero_grad() (set_to_none=True).
     cfg = zerodp.Config(stage=3, unit_modules=HARD_UNITS)
     ref, *_ = train_reference(HardNet, adamw_no_decay, torch.float32, rank, steps=STEPS, loss_of=branch_loss,
-                              set_to_none=False, find_unused_parameters=True)
+                              find_unused_parameters=True)
     model, opt, *_ = train_zerodp(HardNet, adamw_no_decay, cfg, rank, steps=STEPS, loss_of=branch_loss)
     out["branch"] = rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()})
     return out

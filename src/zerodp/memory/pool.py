@@ -36,3 +36,16 @@ class BufferPool:
 
     def put(self, buf: torch.Tensor) -> None:
         self.free.append(buf._base if buf._base is not None else buf)
+
+    def mark(self) -> int:
+        """A point to come back to with `release_since`."""
+        return len(self.allocated)
+
+    def release_since(self, mark: int) -> None:
+        """Drop the buffers allocated after `mark` that are free again: a one-off peak (every
+        unit gathered at once by `gathered_parameters`) must not stay held for the rest of
+        the run. Buffers still in use stay allocated; the pool keeps them when they return."""
+        added = {id(b) for b in self.allocated[mark:]}
+        dropped = {id(b) for b in self.free if id(b) in added}
+        self.free = [b for b in self.free if id(b) not in dropped]
+        self.allocated = [b for b in self.allocated if id(b) not in dropped]

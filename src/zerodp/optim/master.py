@@ -10,14 +10,16 @@ code (through `ZeroOptimizer.owned_slices`) only ever go through these methods.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Mapping, Optional, Protocol
 
 import torch
 
 from ..memory import hostmem
+from ..sharding.model_state import LoadedValues
 
-__all__ = ["MasterPlacement", "MasterShard", "ShardStorage", "runs_of_bytes"]
+__all__ = ["MasterPlacement", "MasterShard", "ShardStorage", "piece_runs", "runs_of_bytes"]
 
 
 class ShardStorage(Protocol):
@@ -113,6 +115,9 @@ class MasterShard:
         self.full_precision = full_precision and (not placement.separate_master or storage.offloaded)
         self.storage, self.placement = storage, placement
         self.grad_staging: list[torch.Tensor] = []  # the gradient beside an offloaded master
+        # Written by an optimizer state dict since the last step: a model state dict loaded
+        # next in the compute dtype (torch's set_state_dict loads the optimizer first) keeps it.
+        self.restored = False
         if self.full_precision:
             self.master_tensors = storage.owned_params()
         else:
@@ -129,6 +134,7 @@ class MasterShard:
     def attach_grads(self, inv_scale: float, streamed: frozenset = frozenset()) -> None:
         """Each master's fp32 `.grad`, unscaled; the pieces in `streamed` were copied to their
         staging buffers during backward already ([Note: gradient streaming])."""
+        self.restored = False
         staging = self.grad_staging or [None] * len(self.master_tensors)
         for i, (m, g, buf) in enumerate(zip(self.master_tensors, self.storage.owned_grads(), staging)):
             m.grad = buf.view(m.shape) if i in streamed else self.placement.fp32_grad(g, m, buf)
@@ -145,15 +151,58 @@ class MasterShard:
             self.placement.synchronize()
             self.placement.release(self.master_tensors)  # disk: read for this, dropped again
 
-    def refresh_from_params(self) -> None:
-        """Restart the master from parameters changed by hand or by a load: only where it no
-        longer rounds to the parameter, so a master restored exactly (an optimizer state
-        dict loaded before the model's, as torch's set_state_dict does) is kept."""
-        if not self.full_precision:
-            for m, param in zip(self.master_tensors, self.storage.owned_params()):
-                p = param.reshape(-1).to(m.device)  # an offloaded master lives elsewhere
-                m.copy_(torch.where(m.to(p.dtype) != p, p.float(), m))
-            self.placement.release(self.master_tensors)
+    def refresh_from_params(self, loaded: Optional[Mapping[str, LoadedValues]] = None) -> None:
+        """Restart the master from parameters changed by hand or by a load ([Note: weight
+        loading] in sharding/model_state.py): each element that no longer rounds to its
+        parameter takes the parameter's value. A parameter a load gave values for (`loaded`,
+        by name) takes them as given where they were finer than the parameter (fp32 weights
+        into bf16: the master keeps what the parameter rounded away), else the parameter's
+        value everywhere, as `load_pretrained` does; except where an optimizer state dict
+        has just restored the master (`restored`) and it rounds to the load: it is those
+        weights' exact value."""
+        if self.full_precision:  # the parameters are the master
+            return
+        params = self.storage.owned_params()
+        for m, param in zip(self.master_tensors, params):
+            m, p = m.view(-1), param.reshape(-1).to(m.device)  # an offloaded master lives elsewhere
+            m.copy_(torch.where(m.to(p.dtype) != p, p.float(), m))
+        if loaded:
+            self._take_loaded(loaded, params)
+        self.placement.release(self.master_tensors)
+
+    def _take_loaded(self, loaded: Mapping[str, LoadedValues], params: list[torch.Tensor]) -> None:
+        """The part of `refresh_from_params` for the parameters a load gave values for."""
+        st = self.storage
+        pieces = st.owned_pieces()
+        for pi, si, a, b in piece_runs(st):
+            name, slot = st.names[si], st.layout.slots[si]
+            if name not in loaded:
+                continue
+            master = self.master_tensors[pi].view(-1)[a:b]
+            given = loaded[name].values(pieces[pi].flat_start + a - slot.offset, b - a)
+            if given is not None:
+                master.copy_(given.reshape(-1).to(master.device, torch.float32))
+            elif not self.restored:
+                master.copy_(params[pi].reshape(-1)[a:b].to(master.device, torch.float32))
+
+
+def piece_runs(storage: ShardStorage) -> list[tuple[int, int, int, int]]:
+    """(piece, slot, start, end in the piece) of each run where one of the storage's owned
+    pieces meets one of its parameters, in piece order."""
+    slots = storage.layout.slots
+    order = sorted(storage.indices, key=lambda i: slots[i].offset)
+    offsets = [slots[i].offset for i in order]
+    out = []
+    for pi, piece in enumerate(storage.owned_pieces()):
+        end = piece.flat_start + piece.numel
+        k = max(bisect.bisect_right(offsets, piece.flat_start) - 1, 0)
+        while k < len(order) and slots[order[k]].offset < end:
+            slot = slots[order[k]]
+            lo, hi = max(slot.offset, piece.flat_start), min(slot.offset + slot.numel, end)
+            if lo < hi:
+                out.append((pi, order[k], lo - piece.flat_start, hi - piece.flat_start))
+            k += 1
+    return out
 
 
 def runs_of_bytes(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:

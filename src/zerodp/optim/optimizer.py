@@ -10,15 +10,16 @@ initialize (LBFGS, Adafactor and Muon are refused).
 
 Master weights: with mixed_precision="fp32" the owned chunks of the parameters are their
 own master (views, no copy); with bf16/fp16 each shard has one contiguous fp32 master,
-and the gradient is upcast into its `.grad` at step time (freed by zero_grad). Either
-way the optimizer sees one tensor per owned piece, never one shard-sized tensor.
+and the gradient is upcast into its `.grad` for the step only. Either way the optimizer
+sees one tensor per owned piece of one parameter, never one shard-sized tensor; one
+without a gradient ([Note: gradient clearing] in schedule/base.py) is left out.
 """
 from __future__ import annotations
 
 import logging
 import math
 from collections import OrderedDict
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -27,7 +28,7 @@ from ..config import Config
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.ledger import MemoryReport, is_elementwise_state
-from .clipping import check_replicated_grads, global_grad_norm, local_nonfinite, replicated_runs
+from .clipping import check_replicated_grads, global_grad_norm, replicated_runs
 from .master import MasterShard, ShardStorage, runs_of_bytes
 from .delayed import DelayedUpdate
 from .homes import StateHomes
@@ -35,8 +36,9 @@ from .report import measure
 from .streaming import GradStreamer
 from .offload import placement_for, raise_offload_failures
 from ..distributed.agreement import raise_if_any_failed
+from ..sharding.model_state import LoadedValues
 from ..sharding.rows import RowSharding
-from .precision import LossScaler
+from .precision import LossScaler, nonfinite_error, nonfinite_flag
 from .state_dict import OwnedSlice, load_sharded_state_dict, owned_slices, sharded_state_dict
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             if tensor_parallel is not None else None)
         self.streamer = GradStreamer(self.all_shards() if self.delayed is None else [], self.placement)
         grad_sync.on_final_grads = self.streamer.on_final_grads  # [Note: gradient streaming]
+        self._piece_params = [shard.storage.piece_params() for shard in self.all_shards()]
 
     def all_shards(self) -> list[MasterShard]:
         """Every group's master shards, in order."""
@@ -173,15 +176,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"decay, momentum). Freeze parameters before zerodp.initialize, which leaves them out of the "
                 f"shards, or re-run initialize after freezing")
 
-    def _check_loss_scaled(self) -> None:
-        plain = self.grad_sync.micro_step - self._scaled_backwards
-        if self.config.uses_loss_scaling and self.scaler.scale != 1.0 and plain > 0:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: {plain} of the {self.grad_sync.micro_step} backward passes since the last "
-                f"step ran as loss.backward(); under fp16 the step divides gradients by the loss scale "
-                f"({self.scaler.scale:g}), so they would be {self.scaler.scale:g}x too small: use "
-                f"optimizer.backward(loss), which multiplies the loss by the scale")
-
     def _prepare_grads(self) -> None:
         """Give every master tensor its unscaled fp32 gradient, once per step, and agree
         across ranks whether any gradient is inf/nan."""
@@ -189,15 +183,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._grads_prepared:
             return
         self._check_trainable_unchanged()
-        self._check_loss_scaled()
-        if not self.grad_sync.grads_ready:
+        self.scaler.check_scaled(self.comm.rank, self.grad_sync.micro_step, self._scaled_backwards)
+        self.grad_sync.observe_clearing()  # the loop may have cleared gradients since the backward
+        if not self.grad_sync.grads_ready and not (self._zeroed and self.grad_sync.micro_step == 0):
             raise RuntimeError(
                 "step() or clip_grad_norm_() was called before a backward at the accumulation boundary: "
                 f"run optimizer.backward(loss) (accumulation_steps={self.accumulation_steps} "
                 f"backward calls per step, {self.grad_sync.micro_step} so far) first")
         inv_scale = 1.0 / self.scaler.scale
-        for shard in self.all_shards():
+        for shard, owners in zip(self.all_shards(), self._piece_params):
             shard.attach_grads(inv_scale, self.streamer.take(shard))
+            for m, param in zip(shard.master_tensors, owners):  # no gradient: not stepped, as in torch
+                m.grad = m.grad if param is None or self.grad_sync.presence.has_grad(param) else None
         if self.config.debug and self.tensor_parallel is not None:
             check_replicated_grads(self.all_shards(), self.tensor_parallel.split_names, self.comm)
         self._grads_prepared = True
@@ -260,6 +257,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.sync_params_from_master()
             self.scaler.update(found_inf=False)
         self.step_count += 1
+        self._release_step_grads()
         self._grads_prepared = False
         self._found_inf = False
         self._norm_this_step = None
@@ -285,8 +283,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         setting every parameter's .grad to zeros and stepping at learning rate 0. With no
         backward run that step has no reduced gradient to use; it creates the states instead
         (`materialize_state`), which is what that step does on any torch optimizer."""
-        if self.grad_sync.grads_ready or self.grad_sync.micro_step or self.config.stage < 2:
-            return False  # stages 0-1 always hold gradients: torch's probe never steps them
+        if self.grad_sync.grads_ready or self.grad_sync.micro_step:
+            return False
         params = [p for g in self.param_groups for p in g["params"]]
         return (all(float(g["lr"]) == 0.0 for g in self.param_groups)
                 and all(p.grad is not None and p.grad.shape == p.shape and not p.grad.any() for p in params))
@@ -299,37 +297,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     inner[k] = v
 
     def _nothing_to_step(self) -> bool:
-        """`zero_grad()` then `step()` with no backward in between: torch's optimizers find
-        every gradient None and change nothing; so does this one (no step is counted)."""
-        return self._zeroed and not self.grad_sync.grads_ready and self.grad_sync.micro_step == 0
+        """A clearing then `step()` with no backward: torch's optimizers find every gradient
+        None and change nothing; so does this one (no step is counted)."""
+        if self.grad_sync.grads_ready or self.grad_sync.micro_step:
+            return False
+        self.grad_sync.observe_clearing()
+        return not self.grad_sync.presence.any_grad()  # zero_grad(set_to_none=False): steps zeros
+
+    def _release_step_grads(self) -> None:
+        """The step's fp32 copies of the gradient are freed when it ends (a delayed update's
+        when it is published): between steps the engine holds what DDP holds."""
+        if self.delayed is not None and self.delayed.pending:
+            return
+        for shard in self.all_shards():
+            shard.storage.release_step_grads()
+            for m in shard.master_tensors:
+                m.grad = None
 
     def _agree_on_step(self) -> bool:
         """One tiny collective before the master weights change: the ranks agree that they ran
-        the same collectives since the last step ([Note: step fingerprint] in
-        distributed/comm.py) and whether any gradient holds a nan/inf. fp16's loss scaler
-        takes that verdict as `_found_inf`; fp32/bf16 follow Config.nonfinite_grads
-        ("raise" raises here; returns whether to skip the step)."""
-        policy = self.config.nonfinite_grads
-        flag = None
-        if self.config.uses_loss_scaling or policy != "proceed":
-            if self._norm_this_step is not None:  # clip_grad_norm_ already reduced it: global
-                flag = torch.tensor(0.0 if math.isfinite(float(self._norm_this_step)) else 1.0)
-            else:
-                grads = [m.grad for s in self.all_shards() for m in s.master_tensors if m.grad is not None]
-                flag = local_nonfinite(grads, self.comm.device)
-        nonfinite = self.comm.agree_on_step(flag)
+        the same collectives ([Note: step fingerprint] in distributed/comm.py) and whether any
+        gradient holds a nan/inf: fp16's `_found_inf`, or Config.nonfinite_grads (whether to skip)."""
+        grads = [m.grad for s in self.all_shards() for m in s.master_tensors if m.grad is not None]
+        nonfinite = self.comm.agree_on_step(nonfinite_flag(self.config, self._norm_this_step, grads, self.comm.device))
         if self.config.uses_loss_scaling:
             self._found_inf = nonfinite
             return False
-        if not nonfinite:
-            return False
-        if policy == "raise":
+        if nonfinite and self.config.nonfinite_grads == "raise":
             self._grads_prepared = False
-            raise FloatingPointError(
-                f"rank {self.comm.rank}: step {self.step_count}: the gradient holds nan/inf on at least one rank "
-                f"(a diverged loss?); the master weights were not updated. Call optimizer.zero_grad() to go on, "
-                f"or set Config.nonfinite_grads='skip' to skip such steps on every rank")
-        return True
+            raise nonfinite_error(self.comm.rank, self.step_count)
+        return nonfinite
 
     def _inner_step(self) -> None:
         """The user's optimizer steps every owned piece once, a bucket's worth at a time.
@@ -370,10 +367,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._scaled_backwards = 0
         in_flight = self.delayed is not None and self.delayed.pending  # its update reads the masters' .grad
         for shard in self.all_shards():
-            shard.storage.zero_grad()
+            shard.storage.zero_grad(set_to_none)
             for m in shard.master_tensors:
                 if not in_flight:
                     m.grad = None
+        self.grad_sync.clear_gradients(set_to_none)
 
     def state_dict(self) -> dict:
         """torch's optimizer state dict with every per-element state a DTensor of its
@@ -466,12 +464,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard.storage.publish(phase)
 
     @torch.no_grad()
-    def refresh_master_from_params(self) -> None:
+    def refresh_master_from_params(self, loaded: Optional[Mapping[str, LoadedValues]] = None) -> None:
         """After the compute parameters were changed by hand (e.g. in gathered_parameters
-        with modify=True), start the fp32 master from them again."""
+        with modify=True) or by a load, start the fp32 master from them again; `loaded`:
+        what a load gave each parameter ([Note: weight loading] in sharding/model_state.py)."""
         self.settle()
         for shard in self.all_shards():
-            shard.refresh_from_params()
+            shard.refresh_from_params(loaded)
 
     def settle(self) -> None:
         """Wait for a delayed update in flight and publish it ([Note: delayed parameter
@@ -483,6 +482,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise_if_any_failed(self.comm, self.delayed.wait(), "the delayed optimizer update", "step")
         self.delayed.published()
         self._publish()
+        self._release_step_grads()
 
     # -- reports ------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

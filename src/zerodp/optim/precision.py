@@ -8,7 +8,13 @@ and skips the step when any rank sees an inf/nan, and doubles it after
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .clipping import local_nonfinite
 
 
 @dataclass
@@ -43,6 +49,17 @@ class LossScaler:
         if self.dynamic and self.clean_steps % self.growth_interval == 0:
             self.scale *= self.growth_factor
 
+    def check_scaled(self, rank: int, backwards: int, scaled_backwards: int) -> None:
+        """Every backward since the last step went through `optimizer.backward`, which scales
+        the loss (the step divides by the scale)."""
+        plain = backwards - scaled_backwards
+        if self.scale != 1.0 and plain > 0:
+            raise RuntimeError(
+                f"rank {rank}: {plain} of the {backwards} backward passes since the last step ran as "
+                f"loss.backward(); under fp16 the step divides gradients by the loss scale ({self.scale:g}), so "
+                f"they would be {self.scale:g}x too small: use optimizer.backward(loss), which multiplies the "
+                f"loss by the scale")
+
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
@@ -50,3 +67,22 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def nonfinite_flag(config, norm: Optional[float], grads: list[torch.Tensor],
+                   device: torch.device) -> Optional[torch.Tensor]:
+    """This rank's 0/1 verdict on a nan/inf gradient for the step agreement, when anything
+    acts on it (the fp16 loss scaler, or Config.nonfinite_grads other than "proceed"): from
+    the global norm when clip_grad_norm_ already reduced one, else from the local pieces."""
+    if not config.uses_loss_scaling and config.nonfinite_grads == "proceed":
+        return None
+    if norm is not None:
+        return torch.tensor(0.0 if math.isfinite(float(norm)) else 1.0)
+    return local_nonfinite(grads, device)
+
+
+def nonfinite_error(rank: int, step: int) -> FloatingPointError:
+    return FloatingPointError(
+        f"rank {rank}: step {step}: the gradient holds nan/inf on at least one rank (a diverged loss?); the "
+        f"master weights were not updated. Call optimizer.zero_grad() to go on, or set "
+        f"Config.nonfinite_grads='skip' to skip such steps on every rank")

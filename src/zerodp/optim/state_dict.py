@@ -6,14 +6,16 @@ The form is torch's own: {"state": {i: {name: value}}, "param_groups": [{..., "p
 `optimizer.param_groups` lists), so `torch.distributed.checkpoint.state_dict` maps them to
 the model's names as for any optimizer. Each per-element state (Adam's exp_avg, ...) has its
 parameter's full shape, a DTensor holding this rank's rows ([Note: row shards] in
-sharding/rows.py); scalar states (Adam's step) are plain. Under bf16/fp16 each parameter
-also has "master": its fp32 master weights, which the compute-dtype model state dict
-rounds; loading restores them exactly. Loading accepts the same DTensors or full tensors
-(from a full state dict), at any world size and stage.
+sharding/rows.py); scalar states (Adam's step) are plain. As in torch's, a parameter has
+states once a step updated it: none before the first step, none for a parameter no step
+has reached. Under bf16/fp16 each parameter also has "master": its fp32 master weights,
+which the compute-dtype model state dict rounds; loading restores them exactly. Loading
+accepts the same DTensors or full tensors (from a full state dict), at any world size and
+stage, and leaves the optimizer with the dict's states, as torch's does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -21,10 +23,14 @@ import torch
 from ..distributed.agreement import raise_if_any_failed
 from ..memory.ledger import is_elementwise_state
 from ..sharding.rows import RowSharding, gather_runs
+from .master import piece_runs
 
 __all__ = ["MASTER", "OwnedSlice", "owned_slices", "sharded_state_dict", "load_sharded_state_dict"]
 
 MASTER = "master"  # the fp32 master weights' key under mixed precision
+# Under fp16 the loss scaler travels as scalar states of every parameter: torch's checkpoint
+# helpers keep only "state" and "param_groups" of an optimizer state dict.
+SCALER_PREFIX = "loss_scaler."
 
 
 @dataclass
@@ -49,22 +55,14 @@ def owned_slices(opt) -> list[OwnedSlice]:
     for gi, group in enumerate(opt.shards):
         for shard in group:
             st = shard.storage
-            params = st.owned_params()
-            for pi, piece in enumerate(st.owned_pieces()):
-                master_t = shard.master_tensors[pi]
-                states = {k: v for k, v in opt.inner.state.get(master_t, {}).items()
+            params, pieces = st.owned_params(), st.owned_pieces()
+            for pi, si, a, b in piece_runs(st):
+                master_t, slot = shard.master_tensors[pi], st.layout.slots[si]
+                states = {k: v.reshape(-1)[a:b] for k, v in opt.inner.state.get(master_t, {}).items()
                           if is_elementwise_state(v, master_t)}
-                for si, slot in enumerate(st.layout.slots):
-                    lo = max(slot.offset, piece.flat_start)
-                    hi = min(slot.offset + slot.numel, piece.flat_start + piece.numel)
-                    if lo >= hi:
-                        continue
-                    a, b = lo - piece.flat_start, hi - piece.flat_start
-                    out.append(OwnedSlice(
-                        name=st.names[si], shape=slot.shape, group=gi, start=lo - slot.offset, numel=hi - lo,
-                        param=params[pi].reshape(-1)[a:b],
-                        master=master_t.reshape(-1)[a:b],
-                        states={k: v.reshape(-1)[a:b] for k, v in states.items()}))
+                out.append(OwnedSlice(
+                    name=st.names[si], shape=slot.shape, group=gi, start=pieces[pi].flat_start + a - slot.offset,
+                    numel=b - a, param=params[pi].reshape(-1)[a:b], master=master_t.reshape(-1)[a:b], states=states))
     return out
 
 
@@ -75,78 +73,117 @@ def _pid_of(opt) -> tuple[dict, dict]:
     return pid, {n: pid[id(p)] for n, p in opt.trainable}
 
 
-def _agreed_states(opt) -> list[tuple[list[str], dict]]:
-    """Per param group: its per-element state names and its scalar states (Adam's step).
-    A rank may own no element of a small group (at stage 3, a few norm weights), and then
-    holds none of its states; the ranks pool what they hold (one small exchange), so every
-    rank runs the same collectives and writes the same entries."""
-    local = []
-    for group, scalars in zip(opt.shards, opt.scalar_states()):
-        keys = {k for shard in group for t in shard.master_tensors for k, v in opt.inner.state.get(t, {}).items()
-                if is_elementwise_state(v, t)}
-        local.append((sorted(keys), scalars))
-    if opt.comm.world_size > 1:
-        pooled = opt.comm.all_gather_object(local, "checkpoint", label="optimizer state names")
-        local = [(sorted({k for rank in pooled for k in rank[gi][0]}),
-                  next((rank[gi][1] for rank in pooled if rank[gi][1]), {})) for gi in range(len(local))]
+@dataclass
+class _GroupStates:
+    """One param group's states as every rank agrees on them: the per-element state names
+    (with their dtypes), and each parameter that has states, with its scalar states."""
+
+    dtypes: dict = field(default_factory=dict)  # state name -> dtype name
+    params: dict = field(default_factory=dict)  # parameter name -> {scalar state: value}
+
+
+def _local_states(opt, group) -> _GroupStates:
+    out = _GroupStates()
+    for shard in group:
+        st = shard.storage
+        for pi, si, _, _ in piece_runs(st):
+            t = shard.master_tensors[pi]
+            state = opt.inner.state.get(t)
+            if not state:
+                continue
+            scalars = out.params.setdefault(st.names[si], {})
+            for k, v in state.items():
+                if is_elementwise_state(v, t):
+                    out.dtypes[k] = str(v.dtype).removeprefix("torch.")
+                else:
+                    scalars.setdefault(k, float(v) if torch.is_tensor(v) else v)
+    return out
+
+
+def _agreed_states(opt) -> list[_GroupStates]:
+    """Per param group, what `_GroupStates` says. A rank may own no element of a parameter
+    (at stage 3, a few norm weights) and then holds none of its states; the ranks pool what
+    they hold (one small exchange), so every rank runs the same collectives and writes the
+    same entries."""
+    local = [_local_states(opt, group) for group in opt.shards]
+    if opt.comm.world_size == 1:
+        return local
+    pooled = opt.comm.all_gather_object([(g.dtypes, g.params) for g in local], "checkpoint",
+                                        label="optimizer state names")
+    out = []
+    for gi in range(len(local)):
+        agreed = _GroupStates()
+        for rank in pooled:
+            dtypes, params = rank[gi]
+            agreed.dtypes.update(dtypes)
+            for name, scalars in params.items():
+                agreed.params.setdefault(name, {}).update(scalars)
+        out.append(agreed)
+    return out
+
+
+def _master_key(opt) -> list[str]:
     # In fp32 the parameters are the master's values (an offloaded master is a copy of
     # them), so the state dict has no master: the same whatever the placement.
-    full_precision = opt.config.compute_dtype == torch.float32
-    return [(keys + ([] if full_precision else [MASTER]), scalars) for keys, scalars in local]
+    return [] if opt.config.compute_dtype == torch.float32 else [MASTER]
 
 
-def _piece_tensors(opt, shard, key: str) -> list[torch.Tensor]:
+def _piece_tensors(opt, shard, key: str) -> list:
+    """Each owned piece's tensor of `key` (None where the piece has no such state)."""
     if key == MASTER:
         return shard.master_tensors
-    return [opt.inner.state[t][key] for t in shard.master_tensors]
+    return [opt.inner.state.get(t, {}).get(key) for t in shard.master_tensors]
 
 
-def _local_values(rows: RowSharding, shard, tensors: list[torch.Tensor], device) -> dict[int, torch.Tensor]:
-    """Slot index -> this rank's rows of that parameter (flat), for one storage's state."""
+def _local_values(rows: RowSharding, shard, tensors: list, dtype: torch.dtype, device) -> dict[int, torch.Tensor]:
+    """Slot index -> this rank's rows of that parameter (flat), for one storage's state
+    (zero where a piece has none)."""
     st = shard.storage
     layout, pieces = st.layout, st.owned_pieces()
-    dtype = tensors[0].dtype if tensors else torch.float32
-    if rows.sharded:
-        local = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-        for p, t in zip(pieces, tensors):
-            local[p.shard_start: p.shard_start + p.numel].copy_(t.reshape(-1))
+    sharded = rows.sharded
+    local = torch.zeros(layout.shard_numel if sharded else layout.padded_numel, dtype=dtype, device=device)
+    for p, t in zip(pieces, tensors):
+        if t is not None:
+            at = p.shard_start if sharded else p.flat_start
+            local[at: at + p.numel].copy_(t.reshape(-1))
+    if sharded:
         wanted = {i: rows.row_range(layout.slots[i].shape) for i in st.indices}
         return gather_runs(layout, local, st.collectives, wanted, "checkpoint")
-    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-    for p, t in zip(pieces, tensors):
-        flat[p.flat_start: p.flat_start + p.numel].copy_(t.reshape(-1))
-    return {i: flat[layout.slots[i].offset: layout.slots[i].offset + layout.slots[i].numel] for i in st.indices}
+    return {i: local[layout.slots[i].offset: layout.slots[i].offset + layout.slots[i].numel] for i in st.indices}
 
 
-# Under fp16 the loss scaler travels as scalar states of every parameter: torch's checkpoint
-# helpers keep only "state" and "param_groups" of an optimizer state dict.
-SCALER_PREFIX = "loss_scaler."
+def _scalar(v):
+    return torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
 
 
 @torch.no_grad()
 def sharded_state_dict(opt, rows: RowSharding) -> dict:
-    """The optimizer's state dict, as the module docstring describes (collective). States
-    that the first step would create are created first (`materialize_state`), so that a
-    never-stepped optimizer's state dict has every entry a loaded one must fill."""
+    """The optimizer's state dict, as the module docstring describes (collective). Like
+    torch's, it creates nothing: before the first step it holds no state (under bf16/fp16
+    the master only). torch DCP's `get_state_dict` has the states created first, by a step
+    at learning rate 0 (`ZeroOptimizer._is_state_probe`), as on any torch optimizer."""
     rows.refuse_tensor_parallel("optimizer.state_dict()")
-    opt.materialize_state()
     pid_of, pid_of_name = _pid_of(opt)
     scaler = {SCALER_PREFIX + k: torch.tensor(float(v)) for k, v in opt.scaler.state_dict().items()} \
         if opt.config.uses_loss_scaling else {}
     state: dict = {}
-    for gi, (group, (keys, scalars)) in enumerate(zip(opt.shards, _agreed_states(opt))):
+    for group, agreed in zip(opt.shards, _agreed_states(opt)):
+        keys = [(k, getattr(torch, d)) for k, d in sorted(agreed.dtypes.items())] + \
+               [(k, torch.float32) for k in _master_key(opt)]
         for shard in group:
             st = shard.storage
-            for key in keys:
-                values = _local_values(rows, shard, _piece_tensors(opt, shard, key), opt.comm.device)
+            for key, dtype in keys:
+                values = _local_values(rows, shard, _piece_tensors(opt, shard, key), dtype, opt.comm.device)
                 for i in st.indices:
-                    state.setdefault(pid_of_name[st.names[i]], {})[key] = rows.wrap(
-                        values[i].clone(), st.layout.slots[i].shape)
+                    if key == MASTER or st.names[i] in agreed.params:
+                        state.setdefault(pid_of_name[st.names[i]], {})[key] = rows.wrap(
+                            values[i].clone(), st.layout.slots[i].shape)
             for i in st.indices:
-                entry = state.setdefault(pid_of_name[st.names[i]], {})
-                for k, v in scalars.items():
-                    entry[k] = torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
-                entry.update(scaler)
+                scalars = agreed.params.get(st.names[i])
+                if scalars is not None:
+                    state.setdefault(pid_of_name[st.names[i]], {}).update({k: _scalar(v) for k, v in scalars.items()})
+                if scaler:
+                    state.setdefault(pid_of_name[st.names[i]], {}).update(scaler)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pid_of[id(p)] for p in g["params"]]}
               for g in opt.param_groups]
     return {"state": {k: v for k, v in sorted(state.items()) if v}, "param_groups": groups}
@@ -161,77 +198,146 @@ def _check_structure(opt, sd) -> None:
         raise ValueError(f"the state dict's param groups hold {[len(g['params']) for g in theirs]} parameters, "
                          f"this optimizer's {[len(g['params']) for g in ours]}: load a state dict of the same "
                          f"model and param groups")
+    if not isinstance(sd["state"], dict) or not all(isinstance(v, dict) for v in sd["state"].values()):
+        raise ValueError("the optimizer state dict's 'state' must map each parameter to a dict of its states")
 
 
-def _plan_load(opt, sd: dict, rows: RowSharding) -> tuple[list, list, dict]:
-    """Check `sd` against this optimizer; (what to write, each group's scalar states, the
-    loss scaler's state). Raises, changing nothing, when anything is missing or mis-shaped."""
-    _check_structure(opt, sd)
+def _has_states(entry: dict) -> bool:
+    """Whether a parameter's entry holds optimizer states, not only the master or the loss
+    scaler (a parameter no step has reached yet)."""
+    return any(k != MASTER and not str(k).startswith(SCALER_PREFIX) for k in entry)
+
+
+@dataclass
+class _Plan:
+    """What a checked state dict writes: (shard, key, dtype, {slot: unwrapped value}) per
+    state, (master tensor, {scalar state: value}) per owned piece, the master tensors whose
+    parameters have no states in the dict, and the loss scaler's state."""
+
+    writes: list
+    scalars: list
+    dropped: list
+    scaler: dict
+
+
+def _plan_load(opt, sd: dict, rows: RowSharding) -> _Plan:
+    """Check `sd` against this optimizer, whose states exist for every parameter the dict
+    has states of; raises, changing nothing, when anything is missing or mis-shaped."""
     _, pid_of_name = _pid_of(opt)
     entries = {pid_of_name.get(k, k) if isinstance(k, str) else k: v for k, v in sd["state"].items()}
-    plan, scalars_out = [], []
-    for group, (keys, scalars) in zip(opt.shards, _agreed_states(opt)):
-        names = [st.names[i] for st in (s.storage for s in group) for i in st.indices]
-        first = entries.get(pid_of_name[names[0]], {}) if names else {}
-        scalars_out.append({k: float(first[k]) if torch.is_tensor(first[k]) else first[k]
-                            for k in scalars if k in first})
+    plan = _Plan([], [], [], {})
+    for group, agreed in zip(opt.shards, _agreed_states(opt)):
+        scalar_keys = {k for scalars in agreed.params.values() for k in scalars}
+        keys = [(k, getattr(torch, d)) for k, d in sorted(agreed.dtypes.items())] + \
+               [(k, torch.float32) for k in _master_key(opt)]
         for shard in group:
             st = shard.storage
-            for key in keys:
+            entry_of = {i: entries.get(pid_of_name[st.names[i]], {}) for i in st.indices}
+            stateful = {i for i, e in entry_of.items() if _has_states(e)}
+            for key, dtype in keys:
                 found = {}
-                for i in st.indices:
-                    entry = entries.get(pid_of_name[st.names[i]], {})
-                    if key not in entry:
+                for i in (st.indices if key == MASTER else sorted(stateful)):
+                    if key not in entry_of[i]:
                         if key == MASTER:
-                            break  # saved in fp32: the master restarts from the model's weights
+                            continue  # saved in fp32: the master restarts from the model's weights
                         raise ValueError(f"the optimizer state dict has no {key!r} for {st.names[i]}: load a state "
                                          f"dict saved from the same optimizer")
-                    found[i] = rows.unwrap(entry[key], st.layout.slots[i].shape, f"{st.names[i]}.{key}")
-                else:
-                    plan.append((shard, key, found))
+                    found[i] = rows.unwrap(entry_of[i][key], st.layout.slots[i].shape, f"{st.names[i]}.{key}")
+                if found:
+                    plan.writes.append((shard, key, dtype, found))
+            kept = set()
+            for pi, si, _, _ in piece_runs(st):
+                if si in stateful:
+                    kept.add(pi)
+                    values = {k: float(v) if torch.is_tensor(v) else v for k, v in entry_of[si].items()
+                              if k in scalar_keys}
+                    plan.scalars.append((shard.master_tensors[pi], values))
+            plan.dropped += [t for pi, t in enumerate(shard.master_tensors) if pi not in kept]
     first_entry = next(iter(entries.values()), {})
-    scaler = {k[len(SCALER_PREFIX):]: float(v) for k, v in first_entry.items() if k.startswith(SCALER_PREFIX)}
-    return plan, scalars_out, scaler
+    plan.scaler = {k[len(SCALER_PREFIX):]: float(v) for k, v in first_entry.items()
+                   if str(k).startswith(SCALER_PREFIX)}
+    return plan
 
 
 @torch.no_grad()
 def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
     """Restore what `sharded_state_dict` returned (or its full form), then publish the
-    parameters. A bad state dict raises on every rank (they compare notes first), before
-    anything changes."""
+    parameters. As torch's, the optimizer's states become the dict's: a parameter without
+    states in it has none after (a dict saved before the first step leaves none at all, and
+    the next step is a first step). A bad state dict raises on every rank (they compare
+    notes first), before anything changes."""
     rows.refuse_tensor_parallel("optimizer.load_state_dict()")
-    opt.materialize_state()
-    plan, problem = None, None
+    problem = None
+    try:
+        _check_structure(opt, sd)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        problem = e
+    raise_if_any_failed(opt.comm, problem, "optimizer.load_state_dict", "checkpoint")
+    had = {id(t) for shard in opt.all_shards() for t in shard.master_tensors if opt.inner.state.get(t)}
+    if any(_has_states(entry) for entry in sd["state"].values()):
+        opt.materialize_state()  # the tensors the dict fills, as the first step creates them
+    plan = None
     try:
         plan = _plan_load(opt, sd, rows)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         problem = e
-    raise_if_any_failed(opt.comm, problem, "optimizer.load_state_dict", "checkpoint")
-    writes, scalars, scaler = plan
+    try:
+        raise_if_any_failed(opt.comm, problem, "optimizer.load_state_dict", "checkpoint")
+    except Exception:
+        _drop_states(opt, [t for shard in opt.all_shards() for t in shard.master_tensors if id(t) not in had])
+        raise
+    _apply(opt, sd, plan, rows)
+
+
+def _drop_states(opt, masters: list) -> None:
+    """These master tensors have no states any more (as before their first step)."""
+    if not masters:
+        return
+    if len(masters) == sum(len(shard.master_tensors) for shard in opt.all_shards()):
+        opt.clear_state()
+        return
+    for t in masters:
+        opt.inner.state.pop(t, None)
+    opt.homes.forget()  # the step that creates them again moves them into their buffers again
+
+
+def _apply(opt, sd: dict, plan: _Plan, rows: RowSharding) -> None:
     _restore_hyperparameters(opt, sd["param_groups"])
-    for shard, key, found in writes:
-        _write_values(rows, shard, _piece_tensors(opt, shard, key), found, opt.comm.device)
-    opt.load_scalar_states(scalars)
-    if scaler and opt.config.uses_loss_scaling:
-        opt.scaler.load_state_dict(scaler)
+    _drop_states(opt, plan.dropped)
+    state = opt.inner.state
+    for shard, key, dtype, found in plan.writes:
+        _write_values(rows, shard, _piece_tensors(opt, shard, key), found, dtype, opt.comm.device)
+        if key == MASTER:
+            shard.restored = True
+    for t, values in plan.scalars:
+        for k, v in values.items():
+            if torch.is_tensor(state[t].get(k)):
+                state[t][k].fill_(v)
+            else:
+                state[t][k] = v
+    if plan.scaler and opt.config.uses_loss_scaling:
+        opt.scaler.load_state_dict(plan.scaler)
     opt.sync_params_from_master("checkpoint")
 
 
-def _write_values(rows: RowSharding, shard, tensors: list[torch.Tensor], found: dict, device) -> None:
+def _write_values(rows: RowSharding, shard, tensors: list, found: dict, dtype: torch.dtype, device) -> None:
+    """The values of `found`'s parameters into this rank's pieces of them (other
+    parameters' elements of the same pieces untouched); collective when they are rows,
+    with the same slots and dtype on every rank."""
     st = shard.storage
     layout, pieces = st.layout, st.owned_pieces()
-    dtype = tensors[0].dtype if tensors else torch.float32
     if rows.sharded:
         local = rows.into_shard(layout, found, st.collectives, dtype, device)
-        for p, t in zip(pieces, tensors):
-            t.view(-1).copy_(local[p.shard_start: p.shard_start + p.numel])
-        return
-    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-    for i, (_, v) in found.items():
-        slot = layout.slots[i]
-        flat[slot.offset: slot.offset + slot.numel].copy_(v)
-    for p, t in zip(pieces, tensors):
-        t.view(-1).copy_(flat[p.flat_start: p.flat_start + p.numel])
+        base = [p.shard_start for p in pieces]
+    else:
+        local = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for i, (_, v) in found.items():
+            slot = layout.slots[i]
+            local[slot.offset: slot.offset + slot.numel].copy_(v)
+        base = [p.flat_start for p in pieces]
+    for pi, si, a, b in piece_runs(st):
+        if si in found:
+            tensors[pi].view(-1)[a:b].copy_(local[base[pi] + a: base[pi] + b])
 
 
 def _restore_hyperparameters(opt, saved: list) -> None:

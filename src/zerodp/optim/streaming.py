@@ -14,6 +14,8 @@ host step still reads the buffers while the next backward runs.
 """
 from __future__ import annotations
 
+import bisect
+
 __all__ = ["GradStreamer"]
 
 
@@ -29,8 +31,10 @@ class GradStreamer:
                 continue  # no host buffer to fill (the shard's gradient is on the host already)
             storage = shard.storage
             unit = getattr(storage, "unit", None)
-            for i in range(len(shard.master_tensors)):
-                key = id(unit) if unit is not None else (id(storage), i)
+            if unit is None:  # a stage 1-2 group: its pieces by the segment (bucket) they lie in
+                starts = [seg.start for seg in storage.layout.segments]
+            for i, piece in enumerate(storage.owned_pieces()):
+                key = id(unit) if unit is not None else (id(storage), bisect.bisect_right(starts, piece.flat_start) - 1)
                 self._targets.setdefault(key, []).append((shard, i))
         self.staged: set = set()  # (id(shard), piece index) copied since the last step
         self.streamed_pieces = 0  # copied during backward since initialize, for tests and tuning

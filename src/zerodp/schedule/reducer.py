@@ -22,6 +22,14 @@ Where gradients live:
   all its buckets are), and the bucket is reduce-scattered into a gradient shard of
   `shard_numel` elements (a later micro-batch reduces in place and adds its chunk). Only
   buckets in flight hold a buffer.
+
+Between steps the gradients stay where they are until the loop clears them ([Note:
+gradient clearing] in schedule/base.py): a window that starts with gradients adds to them.
+Stage 0 adds in place, as DDP does; stage 1 keeps the owned chunks aside for the window
+(`FlatParamGroup.carry_over`) and adds them back once reduced; stage 2 adds the reduced
+chunk to the shard rather than overwriting it. Reducing in a wider dtype than the
+gradients (Config.reduce_dtype), stages 0-1 keep the owned reduced gradient in that dtype
+until the step (`FlatParamGroup.grad_owned`), as stage 2 keeps its shard.
 """
 from __future__ import annotations
 
@@ -51,6 +59,7 @@ class _Bucket:
     launched: bool = False  # its reduction was issued in this backward
     replicas_pending: bool = False  # hybrid sharding: its chunk still to be summed over the replicate axis
     announced: bool = False  # its final gradient was announced ([Note: gradient streaming])
+    landed: bool = False  # its reduced chunk was written where it is kept
 
 
 class GradReducer(BackwardSchedule):
@@ -90,13 +99,16 @@ class GradReducer(BackwardSchedule):
         for g in groups:
             for pi, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(g, pi))
+        self._owner = [(g, i) for g in groups for i in range(len(g.params))]
+        self.track([p for g in groups for p in g.params], self._clear_grads,
+                   [v for g in groups for v in g.grad_views] if stage < 2 else None)
         self._reset_buckets()
 
     # -- per-backward state -----------------------------------------------------------
     def _reset_buckets(self) -> None:
         for b in self.buckets:
             b.pending, b.buffer, b.work, b.launched = self._base_pending[id(b)], None, None, False
-            b.replicas_pending, b.announced = False, False
+            b.replicas_pending, b.announced, b.landed = False, False, False
         self._filled.clear()
         self._next = 0
 
@@ -107,7 +119,7 @@ class GradReducer(BackwardSchedule):
 
     def _on_grad_ready(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
         self.begin_backward()
-        buckets = self._param_buckets[id(param)]
+        buckets = self._param_buckets.get(id(param), ())  # none for a parameter with no elements
         if not self.first_arrival(param, group.names[index], any(b.launched for b in buckets)):
             return  # accumulated in place (or into .grad) before its bucket is launched
         if group.grad_views is not None and param.grad is not group.grad_views[index]:
@@ -160,8 +172,9 @@ class GradReducer(BackwardSchedule):
         if g.grad_shard is not None:  # stage 2: bucket buffer -> gradient shard
             self._fill(b)
             b.buffer.div_(n)
-            # A later micro-batch adds to the shard: reduce in place, add when done.
-            b.accumulate = self.micro_step > 0
+            # A shard that holds a gradient to keep (an earlier micro-batch's, or one not
+            # cleared since the last step) is added to: reduce in place, add when done.
+            b.accumulate = not g.fresh[b.seg_index]
             out = (b.buffer[local: local + chunk.numel] if b.accumulate
                    else g.grad_shard[chunk.shard_start: chunk.shard_start + chunk.numel])
             b.work = g.collectives.reduce_scatter(out, b.buffer, "backward", async_op=self.overlap,
@@ -199,23 +212,38 @@ class GradReducer(BackwardSchedule):
         if b.replicas_pending:
             b.replicas_pending = False
             self._sum_over_replicas(b)
-        g = b.group
+        if b.launched and not b.landed:
+            b.landed = True
+            self._land(b)
         if b.buffer is not None:
-            seg = g.layout.segments[b.seg_index]
-            c = g.layout.chunk(b.seg_index, g.rank)
-            local = c.flat_start - seg.start
-            if g.grad_shard is not None:
-                if b.accumulate:
-                    g.grad_shard[c.shard_start: c.shard_start + c.numel].add_(b.buffer[local: local + c.numel])
-            elif g.stage == 0:  # reduced in a wider dtype: write back what we need
-                g.grad_flat[seg.start: seg.end].copy_(b.buffer)
-            else:
-                g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(b.buffer[local: local + c.numel])
             self.pool.put(b.buffer)
             b.buffer = None
         if announce and b.launched and not b.announced and self.at_boundary and self.on_final_grads is not None:
             b.announced = True
-            self.on_final_grads(g, b.seg_index)  # [Note: gradient streaming]
+            self.on_final_grads(b.group, b.seg_index)  # [Note: gradient streaming]
+
+    def _land(self, b: _Bucket) -> None:
+        """Where the reduced bucket is kept: the gradient shard (stage 2), the flat gradient
+        (stages 0-1), and in the reduce dtype when it is wider (`grad_owned`)."""
+        g = b.group
+        seg = g.layout.segments[b.seg_index]
+        c = g.layout.chunk(b.seg_index, g.rank)
+        local = c.flat_start - seg.start
+        if g.grad_shard is not None:
+            if b.accumulate:
+                g.grad_shard[c.shard_start: c.shard_start + c.numel].add_(b.buffer[local: local + c.numel])
+            g.fresh[b.seg_index] = False
+        elif g.stage == 0:
+            if b.buffer is not None:  # reduced in a wider dtype: kept in it, and in the gradients' own
+                g.owned_grad_buffer()[seg.start: seg.end].copy_(b.buffer)
+                g.grad_flat[seg.start: seg.end].copy_(b.buffer)
+        else:
+            source = b.buffer[local: local + c.numel] if b.buffer is not None else None
+            chunk = source if source is not None else g.grad_flat[c.flat_start: c.flat_start + c.numel]
+            g.add_carried(b.seg_index, chunk)
+            if source is not None:
+                g.owned_grad_buffer()[c.shard_start: c.shard_start + c.numel].copy_(source)
+                g.grad_flat[c.flat_start: c.flat_start + c.numel].copy_(source)
 
     def _sum_over_replicas(self, b: _Bucket) -> None:
         """The rank's reduced chunk of the bucket, wherever the reduce-scatter left it, summed
@@ -237,9 +265,28 @@ class GradReducer(BackwardSchedule):
             return
         self._launch_ready(flush=True)
         self._wait_all()
+        for g in self.groups:
+            g.drop_carried()
+            g.owned_grads_final()
         if self.recording_order:
             self.buckets = [self.buckets[i] for i in self.adopt_recorded_order(list(range(len(self.buckets))))]
         self._reset_buckets()
+
+    def start_window(self) -> None:
+        """Stage 1: gradients not cleared since the last step are kept aside ([Note: gradient
+        clearing] in schedule/base.py): every rank's owned chunks of them are added once this
+        window is reduced (the rest of the buffer is stale local sums)."""
+        for g in self.groups:
+            if g.stage == 1 and any(self.presence.has_grad(p) for p in g.params):
+                g.carry_over()
+
+    def _clear_grads(self, indices: list[int]) -> None:
+        by_group: dict = {}
+        for k in indices:
+            g, i = self._owner[k]
+            by_group.setdefault(id(g), (g, []))[1].append(i)
+        for g, local in by_group.values():
+            g.clear_grads(local)
 
     def _wait_all(self, announce: bool = True) -> None:
         for b in self.buckets:

@@ -17,7 +17,9 @@ collectives even when autograd finishes units in another order: on the first bac
 the reverse of the first forward's order, then the order units were done in it (rank
 0's). Units that were not used (or only partly) are flushed by the end-of-backward
 callback ([Note: end of backward] in schedule/base.py), with zero gradients for what was not
-used.
+used. A unit's reduction overwrites its gradient shard only when that holds nothing to keep
+(`FlatUnit.grad_fresh`): otherwise it adds, within a window and across steps whose
+gradients the loop did not clear ([Note: gradient clearing] in schedule/base.py).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class Stage3Engine(BackwardSchedule):
         self.units, self.config, self.pool = units, config, pool
         self.secondary_pool = secondary_pool  # hpZ's node pieces, kept from forward to backward
         self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
+        self._hooks_owner: Optional[int] = None  # the unit whose forward entered them
         self._forward_trains = False  # the model's current forward runs with gradients
         self.root = len(units) - 1
         self.forward_order: list[int] = []
@@ -81,6 +84,8 @@ class Stage3Engine(BackwardSchedule):
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
         self._guard_sharded_use(units[-1].module)
+        self._owner = [(u, i) for u in units for i in range(len(u.params))]
+        self.track([p for u in units for p in u.params], self._clear_grads)
         self._reset_backward_state()
         _ENGINES[units[-1].module] = weakref.ref(self)
 
@@ -163,9 +168,12 @@ class Stage3Engine(BackwardSchedule):
                 # but is recomputed in backward: hpZ keeps its node piece whenever the model's
                 # forward trains.
                 self._forward_trains = torch.is_grad_enabled()
-                if torch.is_grad_enabled() and self._saved_hooks is None:
-                    self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                    self._saved_hooks.__enter__()
+            if not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
+                # The outermost unit that runs: the root, or the first unit a loop calls itself
+                # (`model[1](model[0](x))`), whose saved tensors need the packing as much.
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saved_hooks.__enter__()
+                self._hooks_owner, self._forward_trains = ui, True
             phase = "backward" if in_backward else "forward"
             self._gather(ui, phase, async_op=False)
             self.units[ui].wait()
@@ -178,9 +186,9 @@ class Stage3Engine(BackwardSchedule):
 
     def _make_post_forward(self, ui: int):
         def hook(module, args, output):
-            if ui == self.root and self._saved_hooks is not None:
+            if ui == self._hooks_owner and self._saved_hooks is not None:
                 self._saved_hooks.__exit__(None, None, None)
-                self._saved_hooks = None
+                self._saved_hooks, self._hooks_owner = None, None
             if inside_backward():  # recomputation (activation checkpointing): backward needs them
                 return None
             training = torch.is_grad_enabled()
@@ -224,7 +232,11 @@ class Stage3Engine(BackwardSchedule):
             raise RuntimeError(f"rank {self.comm.rank}: backward needs the parameters of stage-3 unit {unit.name}, "
                                f"which are not gathered: was a parameter of it used outside the unit's forward?")
         unit.wait()
-        return unit.full.as_strided(shape, stride, offset)
+        view = unit.full.as_strided(shape, stride, offset)
+        # A backward with create_graph=True (a gradient penalty) records what it unpacks in
+        # the double-backward graph, which outlives this gather: the pooled buffer is reused
+        # by the next forward, so that graph gets a copy of its own.
+        return view.clone() if torch.is_grad_enabled() else view
 
     # -- backward ----------------------------------------------------------------------------
     def _make_pre_backward(self, ui: int):
@@ -267,11 +279,11 @@ class Stage3Engine(BackwardSchedule):
     def _launch_reductions(self, flush: bool) -> None:
         if not self.reduces_now:
             return
-        accumulate = self.micro_step > 0  # a later micro-batch adds to the shard
         while self._next_reduce < len(self.reduce_order):
             ui = self.reduce_order[self._next_reduce]
             if ui not in self._ready and not flush:
                 return
+            accumulate = not self.units[ui].grad_fresh  # the shard holds a gradient to keep
             work = self.units[ui].reduce_grads(async_op=self.config.overlap_comm, accumulate=accumulate)
             self._works.append((ui, work, accumulate))
             self._next_reduce += 1
@@ -327,6 +339,14 @@ class Stage3Engine(BackwardSchedule):
         self.reduce_order = self.agreed_order([ui for ui in reversed(self.forward_order) if ui != self.root],
                                               self.reduce_order)
 
+    def _clear_grads(self, indices: list[int]) -> None:
+        by_unit: dict = {}
+        for k in indices:
+            unit, i = self._owner[k]
+            by_unit.setdefault(id(unit), (unit, []))[1].append(i)
+        for unit, local in by_unit.values():
+            unit.clear_grads(local)
+
     def after_step(self) -> None:
         """The shards changed: a node piece kept by a forward that had no backward (hpZ) is stale."""
         super().after_step()
@@ -341,7 +361,7 @@ class Stage3Engine(BackwardSchedule):
         self.units[-1].home.synchronize()  # offloaded gradient shards: before zero_grad zeroes them
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+            self._saved_hooks, self._hooks_owner = None, None
         for unit in self.units:
             unit.discard_grads()
             unit.reshard()
@@ -367,6 +387,9 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
         for unit in engine.units:
             if any(id(p) in wanted for p in unit.params):
                 chosen.append((engine, unit))
+    # Every chosen unit is gathered at once: a one-off peak the pools give back on exit
+    # (kept, it would hold the whole model's parameters for the rest of the run).
+    marks = {id(unit.pool): (unit.pool, unit.pool.mark()) for _, unit in chosen}
     for engine, unit in chosen:
         engine.gather(engine.units.index(unit))
     try:
@@ -381,3 +404,5 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
                     optimizer.refresh_master_from_params()
         for _, unit in chosen:
             unit.reshard()
+        for pool, mark in marks.values():
+            pool.release_since(mark)

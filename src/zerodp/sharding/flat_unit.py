@@ -114,7 +114,10 @@ class FlatUnit:
         self.outer = False
         self.work = None
         self._staged: Optional[torch.Tensor] = None  # an offloaded shard's device copy, while gathering
-        self._grad_stale = False  # on disk, after zero_grad: the shard reads as zero until overwritten
+        # The gradient shard holds nothing to keep: its next reduction overwrites it rather than
+        # adding ([Note: gradient clearing] in schedule/base.py). On disk, zeroing would write
+        # the file: a fresh shard there is stale bytes that read as zero until overwritten.
+        self.grad_fresh = True
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
         self.state = UnitState.SHARDED
@@ -265,11 +268,11 @@ class FlatUnit:
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
         if self.grad_full is not None and self.home.offloaded:  # [Note: shard homes]
-            self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full),
-                           add=accumulate and not self._grad_stale)
-            self._grad_stale = False
+            self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full), add=accumulate)
         elif accumulate and self.grad_full is not None:
             self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
+        if not self.empty:
+            self.grad_fresh = False
         self.free_grads()
 
     def reduced_chunk(self, accumulate: bool) -> torch.Tensor:
@@ -295,13 +298,30 @@ class FlatUnit:
             self.grad_shard = self.home.zeros(self.layout.shard_numel, self.reduce_dtype, self.device, grads=True)
         return self.grad_shard
 
-    def zero_grad_shard(self) -> None:
-        if self.grad_shard is None:
-            return
-        if self.home.kind == "disk":  # zeroing a file writes it: the next reduction overwrites it instead
-            self._grad_stale = True
-        else:
+    def zero_grad_shard(self, readable: bool = False) -> None:
+        """`readable`: the zeros may be read before a reduction overwrites them (a step right
+        after zero_grad(set_to_none=False)), so a shard on disk is written too."""
+        self.grad_fresh = True
+        if self.grad_shard is not None and (self.home.kind != "disk" or readable):  # on disk: see `grad_fresh`
             self.grad_shard.zero_()
+
+    def clear_grads(self, indices: list[int]) -> None:
+        """Zero what the unit holds of these parameters' gradients (they were cleared):
+        their pieces of the gradient shard, and of an unreduced buffer kept between
+        micro-batches."""
+        if len(indices) == len(self.params):
+            self.zero_grad_shard()
+        elif self.grad_shard is not None:
+            if self.grad_fresh and self.home.kind == "disk":  # stale bytes: make them the zeros they stand for
+                self.grad_shard.zero_()
+                self.grad_fresh = False
+            for i in indices:
+                for _, start, n in self.layout.slot_pieces(i, self.rank):
+                    self.grad_shard[start: start + n].zero_()
+        if self.grad_full is not None:
+            for i in indices:
+                slot = self.layout.slots[i]
+                self.grad_full[slot.offset: slot.offset + slot.numel].zero_()
 
     def _new_grad_full(self) -> None:
         self.grad_full = self.pool.get(self.layout.padded_numel, self.reduce_dtype, self.device)
@@ -351,9 +371,17 @@ class UnitGroupView:
         self.layout, self.names, self.rank = unit.layout, unit.names, unit.rank
         self.collectives = unit.collectives
         self.pieces = unit.owned_pieces(param_indices)
+        # The parameter of each piece (one piece per owned run of a parameter).
+        self._piece_params = [unit.params[i] for i in param_indices for _ in unit.layout.slot_pieces(i, unit.rank)]
 
     def owned_pieces(self) -> list[Piece]:
         return self.pieces
+
+    def piece_params(self) -> list[nn.Parameter]:
+        return self._piece_params
+
+    def release_step_grads(self) -> None:
+        """Nothing to release: the reduced gradient stays in the unit's gradient shard."""
 
     def owned_params(self) -> list[torch.Tensor]:
         return [self.unit.shard[p.shard_start: p.shard_start + p.numel] for p in self.pieces]
@@ -377,8 +405,8 @@ class UnitGroupView:
             grads = self.owned_grads() if self.unit.grad_shard is not None else []
             self.unit.home.release([*self.owned_params(), *grads])
 
-    def zero_grad(self) -> None:
-        self.unit.zero_grad_shard()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.unit.zero_grad_shard(readable=not set_to_none)
 
     def held_tensors(self) -> dict:
         return self.unit.held_tensors()

@@ -1,19 +1,37 @@
-"""`model.state_dict()` and `model.load_state_dict()` of a stage-3 model.
+"""`state_dict()` and `load_state_dict()` of a zerodp model and of any of its submodules.
 
-Between uses a stage-3 parameter is a 1-D view of the rank's shard ([Note: unit storage]
+[Note: weight loading]
+Every way weights come in (`load_state_dict` on the model or a submodule, torch DCP's
+`set_state_dict`, which calls it, `load_pretrained`, `gathered_parameters(modify=True)`)
+ends the same way: the compute parameters hold the values in their dtype, and the
+optimizer's fp32 master is restarted from them, taking the values as they were given
+where they carry more precision than the parameters keep (fp32 weights into a bf16 model:
+`LoadedValues`, used by optim/master.py's `MasterShard.refresh_from_params`). The
+optimizer's states and the gradients are left alone, as a load into a DDP model leaves
+them. Before anything is read or written, `settle` lands a delayed update in flight
+(optim/delayed.py), which would otherwise overwrite the load, or be missing from the state
+dict. torch runs the hooks of every module of the subtree a call is made on, so each module
+has them; only the outermost call's hooks act, on its whole subtree (`_Outermost`), so
+each unit is converted once, not once per module.
+
+Stage 3: between uses a parameter is a 1-D view of the rank's shard ([Note: unit storage]
 in flat_unit.py), which torch's own state dict would return as it is: each rank's shards,
-mis-shaped, a dict that loads nowhere. So the model's state dict hooks replace every unit
+mis-shaped, a dict that loads nowhere. So the state dict hooks replace every unit
 parameter, under each of its names, by its value in the form of [Note: row shards]
 (rows.py): a DTensor of the parameter's full shape, this rank holding its rows, which
 torch.distributed.checkpoint saves and reshards, and `get_state_dict` can gather whole.
 Loading takes the same DTensors, or full tensors (each rank keeps what it owns, no
 collective). Replicated parameters and buffers are torch's business, untouched.
 `state_dict(keep_vars=True)` asks for the model's own variables and gets them: the
-shard-viewing parameters, as zerodp's own checkpoint code reads them.
+shard-viewing parameters, as zerodp's own checkpoint code reads them (nor does it settle).
+
+Stages 0-2 hold the parameters whole, so torch's own state dict and copy are right; a
+sharded (DTensor) state dict is gathered whole first.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -23,14 +41,73 @@ from ..distributed.agreement import raise_if_any_failed
 from .flat_unit import FlatUnit, UnitState
 from .rows import RowSharding, gather_runs
 
-__all__ = ["install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors"]
+__all__ = ["LoadedValues", "install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors"]
 
 
-def _aliases(model: nn.Module, units: list[FlatUnit]) -> dict[int, list[str]]:
-    """id(parameter) -> every name it has in the model's state dict (tied weights: several)."""
-    ours = {id(p) for u in units for p in u.params}
+@dataclass(frozen=True)
+class LoadedValues:
+    """What a load gave one trainable parameter: `runs` of (start in the flattened parameter,
+    values), covering at least the elements this rank owns, when the values came in a dtype
+    other than the parameter's (they then keep what the parameter rounded away); no runs
+    when they came in the parameter's own dtype."""
+
+    runs: tuple = ()
+
+    def values(self, start: int, numel: int) -> Optional[torch.Tensor]:
+        """Elements [start, start + numel) as they were loaded, or None: take the parameter's."""
+        for lo, v in self.runs:
+            if lo <= start and start + numel <= lo + v.numel():
+                return v[start - lo: start - lo + numel]
+        return None
+
+
+OnLoaded = Callable[[Mapping[str, LoadedValues]], None]  # by the parameter's name in the optimizer
+
+
+class _Outermost:
+    """The state_dict() or load_state_dict() call in progress and what it gathered. torch runs
+    the pre hooks of the called module, then of each module below it (their prefixes
+    extending the caller's), then the post hooks; only the outermost call's hooks act. A
+    call that raised between its hooks leaves a stale entry, which the next call replaces:
+    a new call starts with its own prefix, never one extending a stale one's."""
+
+    def __init__(self):
+        self._outer: Optional[tuple] = None  # (module, prefix, ids of the modules below it)
+        self.loaded: dict[str, LoadedValues] = {}
+        self.keep_vars = False
+
+    def enter(self, module: nn.Module, prefix: str) -> bool:
+        """Whether this call is an outermost one (it then becomes the call in progress)."""
+        if self._outer is not None:
+            _, outer_prefix, below = self._outer
+            if id(module) in below and len(prefix) > len(outer_prefix) and prefix.startswith(outer_prefix):
+                return False
+        self._outer = (module, prefix, {id(m) for m in module.modules() if m is not module})
+        self.loaded = {}
+        return True
+
+    def leave(self, module: nn.Module, prefix: Optional[str] = None) -> bool:
+        """Whether this is the end of the outermost call (torch's load post hooks get no prefix)."""
+        if self._outer is None or self._outer[0] is not module or prefix not in (None, self._outer[1]):
+            return False
+        self._outer = None
+        return True
+
+    def abandon(self) -> None:
+        self._outer, self.loaded = None, {}
+
+
+def _refuse_assign(local_metadata: dict) -> None:
+    if local_metadata.get("assign_to_params_buffers"):
+        raise RuntimeError("load_state_dict(..., assign=True) would replace the parameters of a zerodp model by the "
+                           "state dict's tensors, which zerodp's shards and optimizer do not hold: load without "
+                           "assign (the values are copied into the parameters)")
+
+
+def _aliases(module: nn.Module, ours: set) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in `module`'s state dict (tied weights: several)."""
     out: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in ours:
             out.setdefault(id(p), []).append(name)
     return out
@@ -44,107 +121,165 @@ def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint") -> list[torch.T
     return [runs[i].view(slot.shape) for i, slot in enumerate(unit.layout.slots)]
 
 
-def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowSharding,
-                             on_loaded: Callable[[], None], settle: Callable[[], None]) -> None:
-    """Make the model's state dict the sharded one described above; `on_loaded` runs after
-    a load changed parameters (the optimizer restarts its fp32 master from them), `settle`
-    before the parameters are read or written (a delayed optimizer update lands first)."""
-    aliases = _aliases(model, units)
+def _finer(value: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a loaded value holds more than a parameter of `dtype` keeps: the master takes it."""
+    return value.is_floating_point() and value.dtype != dtype
 
-    # A gathered unit (inside gathered_parameters) holds its parameters whole, in place:
-    # torch's own state dict and load are right for it, so the hooks leave it alone.
-    asked_for_vars = [False]  # state_dict(keep_vars=...) of the call in progress
+
+def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowSharding, on_loaded: OnLoaded,
+                             settle: Callable[[], None]) -> None:
+    """Stage 3: the state dict of the model and of each submodule is the sharded one the
+    module docstring describes; a load calls `on_loaded` with what it gave each parameter."""
+    ours = {id(p) for u in units for p in u.params}
+    saving, loading = _Outermost(), _Outermost()
+
+    def present(u: FlatUnit, state_dict, prefix, aliases) -> dict[int, list[str]]:
+        """Slot -> the keys of the state dict that name that parameter of the unit (the same
+        keys on every rank: a unit outside the subtree is skipped by all)."""
+        out = {}
+        for i, p in enumerate(u.params):
+            keys = [prefix + n for n in aliases.get(id(p), []) if prefix + n in state_dict]
+            if keys:
+                out[i] = keys
+        return out
 
     def state_dict_pre_hook(module, prefix, keep_vars):
-        asked_for_vars[0] = keep_vars
+        if not saving.enter(module, prefix):
+            return
+        saving.keep_vars = keep_vars
         if not keep_vars:  # the collective form, called by every rank
             rows.refuse_tensor_parallel("the stage-3 model's state_dict()")
             settle()
 
     def state_dict_hook(module, state_dict, prefix, local_metadata):
-        if asked_for_vars[0]:
+        if not saving.leave(module, prefix) or saving.keep_vars:
             return
+        aliases = _aliases(module, ours)
         for u in units:
+            # A gathered unit (inside gathered_parameters) holds its parameters whole, in
+            # place: torch's own state dict took the full values.
             if u.empty or (u.state is not UnitState.SHARDED and u.exact):
-                continue  # gathered exactly: torch's own state dict took the full values
+                continue
+            named = present(u, state_dict, prefix, aliases)
+            if not named:
+                continue
             if rows.sharded:
-                wanted = {i: rows.row_range(slot.shape) for i, slot in enumerate(u.layout.slots)}
+                wanted = {i: rows.row_range(u.layout.slots[i].shape) for i in named}
                 local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
                                     label=f"unit {u.name}")
                 u.release_staged()
             else:  # one rank holds the unit whole
-                local = {i: u.shard[s.offset: s.offset + s.numel] for i, s in enumerate(u.layout.slots)}
-            for i, p in enumerate(u.params):
+                local = {i: u.shard[u.layout.slots[i].offset: u.layout.slots[i].offset + u.layout.slots[i].numel]
+                         for i in named}
+            for i, keys in named.items():
                 value = rows.wrap(local[i].detach(), u.layout.slots[i].shape)
-                for name in aliases[id(p)]:
-                    if prefix + name in state_dict:
-                        state_dict[prefix + name] = value
+                for key in keys:
+                    state_dict[key] = value
 
-    def _found(state_dict, prefix) -> list:
-        """(unit, {slot: (kind, value)}) of every sharded unit the state dict has keys of."""
+    def found_in(state_dict, prefix, aliases) -> list:
+        """(unit, {slot: unwrap's (kind, value)}) of every sharded unit the state dict has keys
+        of; of a tied parameter's names the last one present, whose value torch copies last."""
         out = []
         for u in units:
             if u.state is not UnitState.SHARDED:
                 continue
-            found = {}
-            for i, p in enumerate(u.params):
-                key = next((prefix + n for n in aliases[id(p)] if prefix + n in state_dict), None)
-                if key is not None:
-                    found[i] = rows.unwrap(state_dict[key], u.layout.slots[i].shape, key)
-            if found:
-                out.append((u, found))
+            named = present(u, state_dict, prefix, aliases)
+            if named:
+                out.append((u, {i: rows.unwrap(state_dict[keys[-1]], u.layout.slots[i].shape, keys[-1])
+                                for i, keys in named.items()}))
         return out
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
-        rows.refuse_tensor_parallel("the stage-3 model's load_state_dict()")
-        settle()
-        todo, problem = [], None
+        if not loading.enter(module, prefix):
+            return
+        aliases, todo, problem = _aliases(module, ours), [], None
         try:
-            todo = _found(state_dict, prefix)
-        except Exception as e:  # noqa: BLE001 - raised on every rank, before any collective
-            problem = e
-        raise_if_any_failed(rows.comm, problem, "model.load_state_dict", "checkpoint")
+            rows.refuse_tensor_parallel("the stage-3 model's load_state_dict()")
+            settle()
+            try:
+                _refuse_assign(local_metadata)
+                todo = found_in(state_dict, prefix, aliases)
+            except Exception as e:  # noqa: BLE001 - raised on every rank, before any collective
+                problem = e
+            raise_if_any_failed(rows.comm, problem, "model.load_state_dict", "checkpoint")
+        except BaseException:
+            loading.abandon()
+            raise
         with torch.no_grad():
             for u, found in todo:  # the same keys on every rank
-                shard = rows.into_shard(u.layout, found, u.collectives, u.shard.dtype, u.device,
-                                        label=f"unit {u.name}")
-                for i in found:
-                    for _, s, n in u.layout.slot_pieces(i, u.rank):
-                        u.shard[s: s + n].copy_(shard[s: s + n])
-                u.drop_secondary()  # hpZ's copy holds the values before the load
-                for i, p in enumerate(u.params):  # what torch's own load then copies: itself
-                    for n in aliases[id(p)]:
-                        if prefix + n in state_dict:
-                            state_dict[prefix + n] = p.detach()
-        if todo:
-            pending.append(True)
-
-    pending: list = []
+                loading.loaded.update(_into_unit(u, found, rows))
+                for i, keys in present(u, state_dict, prefix, aliases).items():
+                    for key in keys:  # what torch's own load then copies: the parameter itself
+                        state_dict[key] = u.params[i].detach()
 
     def load_post_hook(module, incompatible_keys):
-        if pending:
-            pending.clear()
-            on_loaded()
+        if loading.leave(module) and loading.loaded:
+            loaded, loading.loaded = loading.loaded, {}
+            on_loaded(loaded)
 
-    model.register_state_dict_pre_hook(state_dict_pre_hook)
-    model.register_state_dict_post_hook(state_dict_hook)
-    model.register_load_state_dict_pre_hook(load_pre_hook)
-    model.register_load_state_dict_post_hook(load_post_hook)
+    for m in model.modules():
+        m.register_state_dict_pre_hook(state_dict_pre_hook)
+        m.register_state_dict_post_hook(state_dict_hook)
+        m.register_load_state_dict_pre_hook(load_pre_hook)
+        m.register_load_state_dict_post_hook(load_post_hook)
 
 
-def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: Callable[[], None],
+def _into_unit(u: FlatUnit, found: dict, rows: RowSharding) -> dict[str, LoadedValues]:
+    """Write `found`'s values into the unit's shard (this rank's elements of them); what they
+    were, for the master, by parameter name. Values finer than the shard (fp32 into bf16)
+    travel in fp32, so that the master gets them unrounded."""
+    finer = {i for i, (_, v) in found.items() if _finer(v, u.shard.dtype)}
+    dtype = torch.float32 if finer else u.shard.dtype
+    shard = rows.into_shard(u.layout, found, u.collectives, dtype, u.device, label=f"unit {u.name}")
+    loaded = {}
+    for i in found:
+        pieces = u.layout.slot_pieces(i, u.rank)
+        for _, s, n in pieces:
+            u.shard[s: s + n].copy_(shard[s: s + n])
+        loaded[u.names[i]] = LoadedValues(tuple((start, shard[s: s + n]) for start, s, n in pieces)
+                                          if i in finer else ())
+    u.drop_secondary()  # hpZ's copy holds the values before the load
+    return loaded
+
+
+def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLoaded,
                             settle: Callable[[], None]) -> None:
-    """Stages 0-2 hold the parameters whole, so torch's own state dict is right; loading
-    takes a sharded (DTensor) state dict too, gathered whole first, and `on_loaded` then
-    restarts the optimizer's fp32 master from the loaded parameters (`settle` first lands a
-    delayed update, which would otherwise overwrite them)."""
+    """Stages 0-2: torch's own state dict and load, on the model and each submodule, after
+    `settle`; a sharded (DTensor) value is gathered whole first; a load calls `on_loaded`
+    with what it gave each trainable parameter."""
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # the optimizer's names
+    loading = _Outermost()
+
+    def state_dict_pre_hook(module, prefix, keep_vars):
+        if not keep_vars:
+            settle()
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
+        if not loading.enter(module, prefix):
+            return
+        try:
+            _refuse_assign(local_metadata)
+        except RuntimeError:
+            loading.abandon()
+            raise
         settle()
         for key in sorted(k for k, v in state_dict.items() if isinstance(v, DTensor)):  # same order on every rank
             state_dict[key] = rows.whole(state_dict[key], key)
+        # In torch's order of copies, so that of a tied parameter's names the last one wins.
+        for name, p in module.named_parameters(remove_duplicate=False):
+            value = state_dict.get(prefix + name)
+            if id(p) in names and torch.is_tensor(value) and value.shape == p.shape:  # else torch refuses it
+                whole = value.detach().reshape(-1)
+                loading.loaded[names[id(p)]] = LoadedValues(((0, whole),) if _finer(value, p.dtype) else ())
 
-    model.register_load_state_dict_pre_hook(load_pre_hook)
-    model.register_load_state_dict_post_hook(lambda module, incompatible_keys: on_loaded())
+    def load_post_hook(module, incompatible_keys):
+        if loading.leave(module) and loading.loaded:
+            loaded, loading.loaded = loading.loaded, {}
+            on_loaded(loaded)
+
+    for m in model.modules():
+        m.register_state_dict_pre_hook(state_dict_pre_hook)
+        m.register_load_state_dict_pre_hook(load_pre_hook)
+        m.register_load_state_dict_post_hook(load_post_hook)
