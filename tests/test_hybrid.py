@@ -3,7 +3,7 @@ import pytest
 
 from harness import run_world
 from hybrid_cases import hybrid_world
-from test_core import BF16_TOL, FP32_TOL
+from test_core import ADAMW_BF16_TOL, FP32_TOL
 
 
 @pytest.fixture(scope="module")
@@ -53,5 +53,6 @@ def test_hybrid_accumulation_and_checkpoint(results):
 def test_hybrid_sharding_in_16_bit_equals_ddp(results, precision, stage):
     for r in results:
         case = r[(precision, stage)]
-        # The 16-bit parity tolerance of every mixed-precision test (test_core.BF16_TOL).
-        assert case["diff"] <= BF16_TOL and case["loss_diff"] <= BF16_TOL and case["skipped"] == 0, case
+        # AdamW on core_cases.Net (hybrid_cases): test_core.ADAMW_BF16_TOL, 2 lr x 5 steps
+        # plus one bf16 ulp (fp16's ulp is finer). The strict check is the SGD fp32 cases above.
+        assert case["diff"] <= ADAMW_BF16_TOL and case["loss_diff"] <= ADAMW_BF16_TOL and case["skipped"] == 0, case

@@ -205,12 +205,13 @@ class GradPresence:
         self.publish(views_always=False)
 
     def reset(self, set_to_none: bool) -> None:
-        """optimizer.zero_grad(set_to_none): no gradient, or a zero one, everywhere (at
-        stages 0-1 `.grad` stays the flat gradient's view, zeroed, as before)."""
+        """optimizer.zero_grad(set_to_none): no gradient, or a zero one, everywhere. With
+        set_to_none `.grad` is None, as DDP's (torch DCP's state probe relies on it); the next
+        backward hands autograd the flat gradient's view again (stages 0-1)."""
         self.present = [not set_to_none] * len(self.params)
         self.absent_seen = False
         self._stripped.clear()
-        self.publish(views_always=True)
+        self.publish(views_always=False)
 
     def publish(self, views_always: bool) -> None:
         shared: dict = {}
