@@ -142,6 +142,26 @@ def diffs(a: dict, b: dict) -> list:
     return [k for k in a if not same(a[k], b.get(k))]
 
 
+def max_abs(a: dict, b: dict) -> float:
+    """Largest elementwise |a - b| over floating tensors, compared in fp32."""
+    worst = 0.0
+    for k, v in a.items():
+        if v.is_floating_point():
+            worst = max(worst, float((v.float() - b[k].float()).abs().max()))
+    return worst
+
+
+def sgd_continuation(weights: dict, stage: int) -> dict:
+    """TRAIN steps of plain SGD with momentum (sgd(): lr 0.01, momentum 0.9) from `weights`,
+    at this world's size and `stage`: the strict, scale-sensitive comparison of a resharded
+    run (see test_checkpoint.SGD_TOL); AdamW's continuation has no small derived bound."""
+    torch.manual_seed(321)  # replaced by `weights` whole
+    model, opt = zerodp.initialize(LM(), sgd, config(stage))
+    zerodp.load_pretrained(model, weights, opt)
+    train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
+    return full_state(model)
+
+
 def max_rel(a: dict, b: dict) -> float:
     """Largest ||a-b|| / ||b|| over floating tensors, compared in fp32."""
     worst = 0.0
@@ -187,7 +207,7 @@ def save_for_reshard(root, tag, stage, rank):
     path = zerodp.save(os.path.join(root, tag, f"step{TRAIN}"), model, opt, data_position=TRAIN)
     at_save = full_state(model)
     train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
-    return {"path": path, "at_save": at_save, "end": full_state(model)}
+    return {"path": path, "at_save": at_save, "end": full_state(model), "sgd_end": sgd_continuation(at_save, stage)}
 
 
 def resume_from(root, saved_path, stage, tag):
@@ -201,7 +221,7 @@ def resume_from(root, saved_path, stage, tag):
     arrays_now, meta_now = saved_arrays(again)
     train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
     return {"extra": extra, "after_load": after_load, "end": full_state(model),
-            "roundtrip_equal": same(arrays_then, arrays_now),
+            "sgd_end": sgd_continuation(after_load, stage), "roundtrip_equal": same(arrays_then, arrays_now),
             "roundtrip_meta_equal": all(meta_then[k] == meta_now[k] for k in
                                         ("step", "scalar_states", "param_groups", "state_dict_keys", "state_keys"))}
 

@@ -16,7 +16,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from checkpoint_cases import LM, TRAIN, adamw_groups, config, error_of, fixed_batch, full_state, sgd, train  # noqa: E402
+from checkpoint_cases import (LM, TRAIN, adamw_groups, config, error_of, fixed_batch, full_state, sgd,  # noqa: E402
+                              sgd_continuation, train)
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
                                                      get_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -73,7 +74,8 @@ def dcp_worlds_save(root, rank):
         dcp_save(model, opt, os.path.join(root, tag))
         at_save = full_state(model)
         losses = train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
-        out[tag] = {"at_save": at_save, "end": full_state(model), "losses": losses}
+        out[tag] = {"at_save": at_save, "end": full_state(model), "losses": losses,
+                    "sgd_end": sgd_continuation(at_save, stage) if opt_fn is adamw_groups else None}
     return out
 
 
@@ -84,7 +86,8 @@ def dcp_worlds_load(root, rank):
         dcp_load(model, opt, os.path.join(root, tag))
         after_load = full_state(model)
         losses = train(model, opt, TRAIN, fixed_batch, first_step=TRAIN)
-        out[tag] = {"after_load": after_load, "end": full_state(model), "losses": losses}
+        out[tag] = {"after_load": after_load, "end": full_state(model), "losses": losses,
+                    "sgd_end": sgd_continuation(after_load, stage) if opt_fn is adamw_groups else None}
     return out
 
 

@@ -382,16 +382,19 @@ def before_first_step(rank: int, world_size: int) -> dict:
 def dcp_probe(rank: int, world_size: int, stages=(2, 3)) -> dict:
     """torch's get_state_dict on a never-stepped optimizer steps it once at lr 0 (torch's
     `_init_optim_state`): on DDP that creates states with step 1, and so must it here, also
-    after model.zero_grad()."""
+    after model.zero_grad() or optimizer.zero_grad() (a resume script clears before it loads)."""
     out = {}
     for stage in stages:
-        for zero_grad_model in (False, True):
+        for clearing in ("none", "model", "optimizer"):
             pair = Runs(zconfig(stage, "fp32", "device"), fine_weights(0), adam)
-            if zero_grad_model:
+            if clearing == "model":
                 pair.z.zero_grad()
                 pair.d.zero_grad()
+            elif clearing == "optimizer":
+                pair.zopt.zero_grad()
+                pair.dopt.zero_grad()
             err = error_of(lambda: (get_state_dict(pair.z, pair.zopt), get_state_dict(pair.d, pair.dopt)))
-            out[(stage, zero_grad_model)] = err or {
+            out[(stage, clearing)] = err or {
                 "steps": [g.get("step") for g in pair.zopt.scalar_states()],
                 "ddp_steps": sorted({float(s["step"]) for s in pair.dopt.state.values()})}
     return out

@@ -48,6 +48,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 
 from ..api import initialize
 from ..checkpoint import full_state_dict, load, save
+from ..checkpoint.files import fsync
 from ..checkpoint.format import COMPLETE
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
@@ -81,14 +82,6 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
         log.warning("%s is incomplete (no %s, or zerodp/ without %s): not resuming from it", path, _TRAINER_STATE,
                     COMPLETE)
     return None
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Trainer(transformers.Trainer):
@@ -273,7 +266,7 @@ class Trainer(transformers.Trainer):
             os.replace(final, old)
             shutil.rmtree(old)
         os.replace(staging, final)
-        _fsync_dir(run_dir)
+        fsync(run_dir)  # the rename is durable
         shutil.rmtree(os.path.join(run_dir, STAGING_DIR), ignore_errors=True)  # saves run one at a time
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)

@@ -126,6 +126,15 @@ def _finer(value: torch.Tensor, dtype: torch.dtype) -> bool:
     return value.is_floating_point() and value.dtype != dtype
 
 
+def _load_post_hook(loading: "_Outermost", on_loaded: OnLoaded):
+    """The outermost load's end hands what it loaded to `on_loaded` (the master's refresh)."""
+    def hook(module, incompatible_keys):
+        if loading.leave(module) and loading.loaded:
+            loaded, loading.loaded = loading.loaded, {}
+            on_loaded(loaded)
+    return hook
+
+
 def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowSharding, on_loaded: OnLoaded,
                              settle: Callable[[], None]) -> None:
     """Stage 3: the state dict of the model and of each submodule is the sharded one the
@@ -213,10 +222,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                     for key in keys:  # what torch's own load then copies: the parameter itself
                         state_dict[key] = u.params[i].detach()
 
-    def load_post_hook(module, incompatible_keys):
-        if loading.leave(module) and loading.loaded:
-            loaded, loading.loaded = loading.loaded, {}
-            on_loaded(loaded)
+    load_post_hook = _load_post_hook(loading, on_loaded)
 
     for m in model.modules():
         m.register_state_dict_pre_hook(state_dict_pre_hook)
@@ -274,10 +280,7 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
                 whole = value.detach().reshape(-1)
                 loading.loaded[names[id(p)]] = LoadedValues(((0, whole),) if _finer(value, p.dtype) else ())
 
-    def load_post_hook(module, incompatible_keys):
-        if loading.leave(module) and loading.loaded:
-            loaded, loading.loaded = loading.loaded, {}
-            on_loaded(loaded)
+    load_post_hook = _load_post_hook(loading, on_loaded)
 
     for m in model.modules():
         m.register_state_dict_pre_hook(state_dict_pre_hook)
