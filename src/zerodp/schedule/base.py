@@ -111,6 +111,17 @@ def _handle(param: nn.Parameter, shared: dict) -> torch.Tensor:
                                                                         [0] * param.dim())
 
 
+def clear_by_owner(owner: dict, indices: list[int]) -> None:
+    """Clear the gradients of the tracked parameters `indices`, one call per storage that holds
+    them (`owner[k]` is the (flat group or unit, local index) of parameter k)."""
+    by_storage: dict = {}
+    for k in indices:
+        storage, i = owner[k]
+        by_storage.setdefault(id(storage), (storage, []))[1].append(i)
+    for storage, local in by_storage.values():
+        storage.clear_grads(local)
+
+
 class GradPresence:
     """Which trainable parameters have a gradient, as DDP's `p.grad is not None` says, and
     what the loop did to `.grad` since the engine last set it ([Note: gradient clearing])."""

@@ -43,7 +43,7 @@ import torch
 from ..distributed import Comm
 from ..memory.pool import BufferPool
 from ..sharding.flat_group import FlatParamGroup
-from .base import MAX_IN_FLIGHT, BackwardSchedule
+from .base import MAX_IN_FLIGHT, BackwardSchedule, clear_by_owner
 
 log = logging.getLogger(__name__)
 
@@ -281,12 +281,7 @@ class GradReducer(BackwardSchedule):
                 g.carry_over()
 
     def _clear_grads(self, indices: list[int]) -> None:
-        by_group: dict = {}
-        for k in indices:
-            g, i = self._owner[k]
-            by_group.setdefault(id(g), (g, []))[1].append(i)
-        for g, local in by_group.values():
-            g.clear_grads(local)
+        clear_by_owner(self._owner, indices)
 
     def _wait_all(self, announce: bool = True) -> None:
         for b in self.buckets:

@@ -36,7 +36,7 @@ from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.pool import BufferPool
 from ..sharding.flat_unit import FlatUnit, UnitState
-from .base import MAX_IN_FLIGHT, BackwardSchedule, inside_backward, output_tensors
+from .base import MAX_IN_FLIGHT, BackwardSchedule, clear_by_owner, inside_backward, output_tensors
 
 log = logging.getLogger(__name__)
 
@@ -340,12 +340,7 @@ class Stage3Engine(BackwardSchedule):
                                               self.reduce_order)
 
     def _clear_grads(self, indices: list[int]) -> None:
-        by_unit: dict = {}
-        for k in indices:
-            unit, i = self._owner[k]
-            by_unit.setdefault(id(unit), (unit, []))[1].append(i)
-        for unit, local in by_unit.values():
-            unit.clear_grads(local)
+        clear_by_owner(self._owner, indices)
 
     def after_step(self) -> None:
         """The shards changed: a node piece kept by a forward that had no backward (hpZ) is stale."""
