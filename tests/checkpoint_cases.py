@@ -154,7 +154,7 @@ def max_abs(a: dict, b: dict) -> float:
 def sgd_continuation(weights: dict, stage: int) -> dict:
     """TRAIN steps of plain SGD with momentum (sgd(): lr 0.01, momentum 0.9) from `weights`,
     at this world's size and `stage`: the strict, scale-sensitive comparison of a resharded
-    run (see test_checkpoint.SGD_TOL); AdamW's continuation has no small derived bound."""
+    run (see tolerances.CKPT_SGD_TOL); AdamW's continuation has no small derived bound."""
     torch.manual_seed(321)  # replaced by `weights` whole
     model, opt = zerodp.initialize(LM(), sgd, config(stage))
     zerodp.load_pretrained(model, weights, opt)

@@ -1,4 +1,4 @@
-"""Cases for stages 0-2, run inside one spawned world per world size (see test_core.py).
+"""Cases for stages 0-2 (test_core.py), one per call in the session's worlds (worldpool.py).
 
 Each case returns plain numbers; the tests assert on them in the parent process.
 """
@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from parity import StepTrace
 
 import zerodp
 from zerodp.memory import formula_bytes
@@ -90,9 +92,10 @@ def mlp_loss(model, step, rank, dtype=torch.float32):
 
 
 def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_of=mlp_loss, set_to_none=True,
-                    **ddp_kwargs):
+                    trace=None, **ddp_kwargs):
     """torch DDP + the same optimizer; for bf16/fp16, DDP over a low-precision copy with
-    an fp32 master updated by the optimizer (the mixed-precision recipe zerodp follows)."""
+    an fp32 master updated by the optimizer (the mixed-precision recipe zerodp follows).
+    `trace` (parity.StepTrace) records the gradients and parameters of every step."""
     torch.manual_seed(0)
     model = model_fn()
     losses, norms = [], []
@@ -114,6 +117,8 @@ def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_
             trainable = [p for p in ddp.module.parameters() if p.requires_grad]
             for m, c in zip(master_params, trainable):
                 m.grad = None if c.grad is None else c.grad.float()
+        if trace is not None:
+            trace.record_grads(ddp.module)
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(
                 master_params if master_params is not None else ddp.module.parameters(), clip)))
@@ -125,10 +130,12 @@ def train_reference(model_fn, opt_fn, dtype, rank, steps=STEPS, clip=None, loss_
                 for m, c in zip(master_params, [p for p in ddp.module.parameters() if p.requires_grad]):
                     c.copy_(m)
         losses.append(float(loss.detach()))
+        if trace is not None:
+            trace.record_step(ddp.module, losses[-1])
     return ddp.module, losses, norms
 
 
-def train_zerodp(model_fn, opt_fn, cfg, rank, steps=STEPS, clip=None, micro_batches=1, loss_of=None):
+def train_zerodp(model_fn, opt_fn, cfg, rank, steps=STEPS, clip=None, micro_batches=1, loss_of=None, trace=None):
     torch.manual_seed(0)
     with zerodp.init(cfg) if getattr(model_fn, "born_sharded", False) else _nothing():
         model = model_fn()
@@ -149,11 +156,15 @@ def train_zerodp(model_fn, opt_fn, cfg, rank, steps=STEPS, clip=None, micro_batc
             loss = loss_fn(model(x), y)
             opt.backward(loss)
             total += float(loss.detach()) / micro_batches
+        if trace is not None:  # only stage 0's .grad is the whole reduced gradient (parity.py)
+            trace.record_grads(model, exposed=cfg.stage == 0)
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
+        if trace is not None:
+            trace.record_step(model, total)
         volumes.append(opt.comm.ledger.summary())
     return model, opt, losses, norms, volumes
 
@@ -175,79 +186,88 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
     return worst
 
 
-def parity_grid(rank, world_size):
-    out = {}
-    for stage in (0, 1, 2):
-        for precision in ("fp32", "bf16"):
-            for opt_name, opt_fn in OPTIMIZERS.items():
-                cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET)
-                ref, ref_losses, _ = train_reference(Net, opt_fn, cfg.compute_dtype, rank)
-                model, opt, losses, _, volumes = train_zerodp(Net, opt_fn, cfg, rank)
-                out[(stage, precision, opt_name)] = {
-                    "param_rel_diff": max_rel_diff(model, ref),
-                    "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                    "volume": volumes[-1]["volume_numel"],
-                    "by_op": volumes[-1]["by_op"],
-                    "memory": opt.memory_report().as_dict(),
-                    "names": list(model.state_dict().keys()),
-                }
-    return out
+PARITY_GRID = [(stage, precision, opt) for stage in (0, 1, 2) for precision in ("fp32", "bf16")
+               for opt in OPTIMIZERS]
 
 
-def special_cases(rank, world_size):
-    out = {}
-    # Frozen parameters: left alone (not sharded, not updated), the rest equal DDP.
+def parity_case(rank, world_size, stage, precision, opt_name):
+    """One stage x dtype x optimizer against DDP, compared at every step (parity.py)."""
+    cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET)
+    ref_trace, trace = StepTrace(), StepTrace()
+    train_reference(Net, OPTIMIZERS[opt_name], cfg.compute_dtype, rank, trace=ref_trace)
+    model, opt, _, _, volumes = train_zerodp(Net, OPTIMIZERS[opt_name], cfg, rank, trace=trace)
+    return {"per_step": trace.compare(ref_trace), "volume": volumes[-1]["volume_numel"],
+            "by_op": volumes[-1]["by_op"], "memory": opt.memory_report().as_dict(),
+            "names": list(model.state_dict().keys())}
+
+
+def frozen_case(rank, world_size):
+    """Frozen parameters: left alone (not sharded, not updated), the rest equal DDP."""
     cfg = zerodp.Config(stage=2, bucket_bytes=SMALL_BUCKET)
     frozen_model = lambda: Net(frozen=True)  # noqa: E731
     ref, _, _ = train_reference(frozen_model, adamw_two_groups, torch.float32, rank)
     model, opt, *_ = train_zerodp(frozen_model, adamw_two_groups, cfg, rank)
     torch.manual_seed(0)
     initial_frozen = Net(frozen=True).frozen.weight.detach().clone()
-    out["frozen"] = {"rel_diff": max_rel_diff(model, ref),
-                     "frozen_unchanged": bool(torch.equal(model.frozen.weight, initial_frozen)),
-                     "numel": opt.memory_report().numel}
-    # A model with fewer elements than ranks.
-    for stage in (1, 2):
-        cfg = zerodp.Config(stage=stage)
-        ref, _, _ = train_reference(Tiny, sgd_momentum, torch.float32, rank)
-        model, *_ = train_zerodp(Tiny, sgd_momentum, cfg, rank)
-        out[f"tiny_stage{stage}"] = max_rel_diff(model, ref)
-    # Accumulation over 2 micro-batches equals one step on the whole batch; stage 2 either
-    # reduces each micro-batch (default) or keeps unsharded gradients until the boundary.
-    for stage, each in ((0, True), (1, True), (2, True), (2, False)):
-        cfg = zerodp.Config(stage=stage, grad_accumulation_steps=2, bucket_bytes=SMALL_BUCKET,
-                            reduce_each_micro_batch=each)
-        ref, *_ = train_reference(Net, adamw_two_groups, torch.float32, rank)
-        model, opt, _, _, volumes = train_zerodp(Net, adamw_two_groups, cfg, rank, micro_batches=2)
-        key = f"accum_stage{stage}" + ("" if each else "_no_sync")
-        out[key] = {"rel_diff": max_rel_diff(model, ref), "volume": volumes[-1]["volume_numel"],
-                    "by_op": volumes[-1]["by_op"]}
-    # Clipping: the same total norm as clip_grad_norm_ on DDP, and the same parameters.
-    for stage in (0, 1, 2):
-        cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET)
-        ref, _, ref_norms = train_reference(Net, adamw_two_groups, torch.float32, rank, clip=0.05)
-        model, _, _, norms, _ = train_zerodp(Net, adamw_two_groups, cfg, rank, clip=0.05)
-        out[f"clip_stage{stage}"] = {"norms": norms, "ref_norms": ref_norms, "rel_diff": max_rel_diff(model, ref)}
-    # Reducing bf16 gradients in fp32 (reduce_dtype): the same result within bf16 rounding,
-    # and the stage-2 gradient shard held in fp32 (4 bytes per element).
-    for stage in (0, 1, 2):
-        cfg = zerodp.Config(stage=stage, mixed_precision="bf16", reduce_dtype="fp32", bucket_bytes=SMALL_BUCKET)
-        ref, *_ = train_reference(Net, adamw_two_groups, torch.bfloat16, rank)
-        model, opt, *_ = train_zerodp(Net, adamw_two_groups, cfg, rank)
-        rep = opt.memory_report()
-        out[f"reduce_fp32_stage{stage}"] = {"rel_diff": max_rel_diff(model, ref), "grads": rep.grads,
-                                            "padded": rep.padded_numel}
-    # LR scheduler drives the returned optimizer.
+    return {"rel_diff": max_rel_diff(model, ref),
+            "frozen_unchanged": bool(torch.equal(model.frozen.weight, initial_frozen)),
+            "numel": opt.memory_report().numel}
+
+
+def tiny_case(rank, world_size, stage):
+    """A model with fewer elements than ranks."""
+    ref_trace, trace = StepTrace(), StepTrace()
+    train_reference(Tiny, sgd_momentum, torch.float32, rank, trace=ref_trace)
+    train_zerodp(Tiny, sgd_momentum, zerodp.Config(stage=stage), rank, trace=trace)
+    return trace.compare(ref_trace)
+
+
+ACCUMULATION_GRID = [(0, True), (1, True), (2, True), (2, False)]
+
+
+def accumulation_case(rank, world_size, stage, each):
+    """Accumulation over 2 micro-batches equals one step on the whole batch; stage 2 either
+    reduces each micro-batch (default) or keeps unsharded gradients until the boundary."""
+    cfg = zerodp.Config(stage=stage, grad_accumulation_steps=2, bucket_bytes=SMALL_BUCKET,
+                        reduce_each_micro_batch=each)
+    ref, *_ = train_reference(Net, adamw_two_groups, torch.float32, rank)
+    model, opt, _, _, volumes = train_zerodp(Net, adamw_two_groups, cfg, rank, micro_batches=2)
+    return {"rel_diff": max_rel_diff(model, ref), "volume": volumes[-1]["volume_numel"],
+            "by_op": volumes[-1]["by_op"]}
+
+
+def clip_case(rank, world_size, stage):
+    """Clipping: the same total norm as clip_grad_norm_ on DDP, and the same parameters."""
+    cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET)
+    ref, _, ref_norms = train_reference(Net, adamw_two_groups, torch.float32, rank, clip=0.05)
+    model, _, _, norms, _ = train_zerodp(Net, adamw_two_groups, cfg, rank, clip=0.05)
+    return {"norms": norms, "ref_norms": ref_norms, "rel_diff": max_rel_diff(model, ref)}
+
+
+def reduce_fp32_case(rank, world_size, stage):
+    """Reducing bf16 gradients in fp32 (reduce_dtype): the same result within bf16 rounding,
+    and the stage-2 gradient shard held in fp32 (4 bytes per element)."""
+    cfg = zerodp.Config(stage=stage, mixed_precision="bf16", reduce_dtype="fp32", bucket_bytes=SMALL_BUCKET)
+    ref, *_ = train_reference(Net, adamw_two_groups, torch.bfloat16, rank)
+    model, opt, *_ = train_zerodp(Net, adamw_two_groups, cfg, rank)
+    rep = opt.memory_report()
+    return {"rel_diff": max_rel_diff(model, ref), "grads": rep.grads, "padded": rep.padded_numel}
+
+
+def scheduler_case(rank, world_size):
+    """An LR scheduler drives the returned optimizer; a step before any backward is refused."""
     model, opt = zerodp.initialize(Net(), torch.optim.SGD, zerodp.Config(stage=1), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = batch(0, rank)
     opt.backward(loss_fn(model(x), y))
     opt.step()
     sched.step()
-    out["lr_after_sched"] = opt.param_groups[0]["lr"]
-    out["step_without_backward"] = _error_of(lambda: opt.step())
-    # The user's optimizer steps a bucket's worth of master at a time (its temporaries stay
-    # bucket-sized), and after the first step its states live in one buffer per shard and key.
+    return {"lr_after_sched": opt.param_groups[0]["lr"], "step_without_backward": _error_of(lambda: opt.step())}
+
+
+def chunked_step_case(rank, world_size):
+    """The user's optimizer steps a bucket's worth of master at a time (its temporaries stay
+    bucket-sized), and after the first step its states live in one buffer per shard and key."""
     cfg = zerodp.Config(stage=2, bucket_bytes=SMALL_BUCKET)
     model, opt, *_ = train_zerodp(Net, lambda ps: CountingAdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
     CountingAdamW.calls.clear()
@@ -268,13 +288,12 @@ def special_cases(rank, world_size):
     for h in handles:
         h.remove()
     masters = [t for g in opt.inner.param_groups for t in g["params"]]
-    out["chunked_step"] = {
+    return {
         "inner_calls": len(calls), "pieces": len(masters), "hooks": outer_calls,
         "master_bytes": sum(t.numel() * t.element_size() for t in masters),
         "state_storages": {k: len({opt.state[t][k].untyped_storage().data_ptr() for t in masters})
                            for k in ("exp_avg", "exp_avg_sq")},
         "shards": sum(len(g) for g in opt.shards)}
-    return out
 
 
 def fp16_overflow(rank, world_size):
@@ -306,19 +325,18 @@ def fp16_overflow(rank, world_size):
             "skipped": opt.scaler.skipped_steps}
 
 
-def memory_model_state(rank, world_size):
-    """The memory ledger against the stage formula, for bf16 and fp32 AdamW."""
-    out = {}
-    for precision, pbytes, master, states in (("bf16", 2, 4, 8), ("fp32", 4, 0, 8)):
-        for stage in (0, 1, 2):
-            cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET)
-            model, opt, *_ = train_zerodp(Net, lambda ps: torch.optim.AdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
-            rep = opt.memory_report()
-            expect = formula_bytes(stage, rep.padded_numel, world_size, pbytes, pbytes, master, states)
-            got = {k: getattr(rep, k) for k in expect}
-            out[(precision, stage)] = {"got": got, "expect": expect, "numel": rep.numel,
-                                       "padded": rep.padded_numel}
-    return out
+MEMORY_GRID = [(precision, stage) for precision in ("bf16", "fp32") for stage in (0, 1, 2)]
+
+
+def memory_case(rank, world_size, precision, stage):
+    """The memory ledger against the stage formula, AdamW."""
+    pbytes, master, states = {"bf16": (2, 4, 8), "fp32": (4, 0, 8)}[precision]
+    cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET)
+    model, opt, *_ = train_zerodp(Net, lambda ps: torch.optim.AdamW(list(ps), lr=1e-3), cfg, rank, steps=1)
+    rep = opt.memory_report()
+    expect = formula_bytes(stage, rep.padded_numel, world_size, pbytes, pbytes, master, states)
+    return {"got": {k: getattr(rep, k) for k in expect}, "expect": expect, "numel": rep.numel,
+            "padded": rep.padded_numel}
 
 
 def _error_of(fn):
@@ -327,15 +345,3 @@ def _error_of(fn):
     except Exception as e:  # the test asserts on the type and message
         return f"{type(e).__name__}: {e}"
     return None
-
-
-def core_world(rank, world_size):
-    from offload_cases import offload_grid
-
-    return {
-        "parity": parity_grid(rank, world_size),
-        "special": special_cases(rank, world_size),
-        "fp16": fp16_overflow(rank, world_size),
-        "memory": memory_model_state(rank, world_size),
-        "offload": offload_grid(rank, world_size),
-    }

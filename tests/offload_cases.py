@@ -2,6 +2,7 @@
 world at N = 1, 2, 4 (test_core.py reads its results)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -33,55 +34,82 @@ def shared_tmp(rank: int, world_size: int) -> str:
     return root[0]
 
 
-def offload_grid(rank: int, world_size: int) -> dict:
-    out = {}
-    root = shared_tmp(rank, world_size)
-    # The whole grid at N = 1 and 2; at N = 4, where it costs most, plain SGD (the
-    # scale-sensitive one) at every stage in fp32 and AdamW at stage 3 in bf16.
-    grid = [(st, pr, nm) for st in (1, 2, 3) for pr in ("fp32", "bf16") for nm in OPTIMIZERS]
+def offload_grid(world_size: int) -> list:
+    """The whole grid at N = 1 and 2; at N = 4, where it costs most, plain SGD (the
+    scale-sensitive one) at every stage in fp32 and AdamW at stage 3 in bf16."""
     if world_size == 4:
-        grid = [(st, "fp32", "sgd") for st in (1, 2, 3)] + [(3, "bf16", "adamw")]
-    for stage, precision, name in grid:
-        fn = OPTIMIZERS[name]
-        runs = {}
-        # Stage 3 also with the parameter and gradient shards beside the optimizer states.
-        places = ("none", "host", "disk") + (("host+params", "disk+params") if stage == 3 else ())
-        for place in places:
-            kind = place.split("+")[0]
-            cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                                unit_min_params=10, offload_optimizer=kind,
-                                offload_params=kind if place.endswith("+params") else "none",
-                                offload_dir=os.path.join(root, f"{stage}{precision}{name}{place}"))
-            if kind == "disk":
-                os.makedirs(cfg.offload_dir, exist_ok=True)
-            model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
-            runs[place] = (model, opt, losses, opt.memory_report())
-        ref, ref_losses, _ = train_reference(Net, fn, runs["host"][1].config.compute_dtype, rank)
-        device_params = _params(runs["none"][0])
-        for place in places[1:]:
-            model, opt, losses, rep = runs[place]
-            files = getattr(opt.placement, "files", None)
-            with zerodp.gathered_parameters(model):
-                diff = max_rel_diff(model, ref)
-            out[(stage, precision, name, place)] = {
-                "same_as_device": all(torch.equal(a, b) for a, b in zip(_params(model), device_params)),
-                "losses_equal": losses == runs["none"][2], "diff": diff,
-                "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                "host": rep.host_offloaded, "disk": rep.disk_offloaded,
-                "device_offloaded": runs["none"][3].host_offloaded + runs["none"][3].disk_offloaded,
-                "master": rep.master, "states": rep.optimizer_states, "shard_numel": _shard_numel(opt),
-                "state_bytes": STATE_BYTES[name], "model_state": rep.model_state,
-                "padded_shard": rep.padded_numel // rep.world_size,
-                "units": len(opt.stage3.units) if opt.stage3 is not None else 0,
-                # [Note: gradient streaming]: every host buffer filled during backward, every step.
-                "streamed": opt.streamer.streamed_pieces,
-                "staged_pieces": STEPS * sum(len(s.grad_staging) for s in opt.all_shards()),
-                # What the files take on disk, from the kernel's side: their sizes.
-                "file_bytes": sum(os.fstat(fd).st_size for *_, fd in files.regions) if files is not None else 0}
-    # Accumulation (2 micro-batches) and clipping, fp32 SGD, against DDP: host at stage 2, disk
-    # at 3, and at 3 with the shards on disk too, reducing once per window (the boundary's
-    # reduction adds to a gradient shard that zero_grad left to be overwritten).
-    for key, stage, place in ((2, 2, "host"), (3, 3, "disk"), ("3+params", 3, "disk")):
+        return [(st, "fp32", "sgd") for st in (1, 2, 3)] + [(3, "bf16", "adamw")]
+    return [(st, pr, nm) for st in (1, 2, 3) for pr in ("fp32", "bf16") for nm in OPTIMIZERS]
+
+
+@contextlib.contextmanager
+def scratch(rank: int, world_size: int):
+    """A directory shared by the ranks for one case, removed after it on every path."""
+    root = shared_tmp(rank, world_size)
+    try:
+        yield root
+    finally:
+        if world_size > 1:
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def placements_case(rank: int, world_size: int, stage: int, precision: str, name: str) -> dict:
+    """One stage x dtype x optimizer on every placement, against the device run and DDP."""
+    with scratch(rank, world_size) as root:
+        return _placements(rank, root, stage, precision, name)
+
+
+def _placements(rank: int, root: str, stage: int, precision: str, name: str) -> dict:
+    out = {}
+    fn = OPTIMIZERS[name]
+    runs = {}
+    # Stage 3 also with the parameter and gradient shards beside the optimizer states.
+    places = ("none", "host", "disk") + (("host+params", "disk+params") if stage == 3 else ())
+    for place in places:
+        kind = place.split("+")[0]
+        cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
+                            unit_min_params=10, offload_optimizer=kind,
+                            offload_params=kind if place.endswith("+params") else "none",
+                            offload_dir=os.path.join(root, f"{stage}{precision}{name}{place}"))
+        if kind == "disk":
+            os.makedirs(cfg.offload_dir, exist_ok=True)
+        model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
+        runs[place] = (model, opt, losses, opt.memory_report())
+    ref, ref_losses, _ = train_reference(Net, fn, runs["host"][1].config.compute_dtype, rank)
+    device_params = _params(runs["none"][0])
+    for place in places[1:]:
+        model, opt, losses, rep = runs[place]
+        files = getattr(opt.placement, "files", None)
+        with zerodp.gathered_parameters(model):
+            diff = max_rel_diff(model, ref)
+        out[place] = {
+            "same_as_device": all(torch.equal(a, b) for a, b in zip(_params(model), device_params)),
+            "losses_equal": losses == runs["none"][2], "diff": diff,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "host": rep.host_offloaded, "disk": rep.disk_offloaded,
+            "device_offloaded": runs["none"][3].host_offloaded + runs["none"][3].disk_offloaded,
+            "master": rep.master, "states": rep.optimizer_states, "shard_numel": _shard_numel(opt),
+            "state_bytes": STATE_BYTES[name], "model_state": rep.model_state,
+            "padded_shard": rep.padded_numel // rep.world_size,
+            "units": len(opt.stage3.units) if opt.stage3 is not None else 0,
+            # [Note: gradient streaming]: every host buffer filled during backward, every step.
+            "streamed": opt.streamer.streamed_pieces,
+            "staged_pieces": STEPS * sum(len(s.grad_staging) for s in opt.all_shards()),
+            # What the files take on disk, from the kernel's side: their sizes.
+            "file_bytes": sum(os.fstat(fd).st_size for *_, fd in files.regions) if files is not None else 0}
+    return out
+
+
+ACCUMULATION_GRID = [(2, 2, "host"), (3, 3, "disk"), ("3+params", 3, "disk")]
+
+
+def accumulation_case(rank: int, world_size: int, key, stage: int, place: str) -> dict:
+    """Accumulation (2 micro-batches) and clipping, fp32 SGD, against DDP: host at stage 2, disk
+    at 3, and at 3 with the shards on disk too, reducing once per window (the boundary's
+    reduction adds to a gradient shard that zero_grad left to be overwritten)."""
+    with scratch(rank, world_size) as root:
         ref, _, ref_norms = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank, clip=0.05)
         directory = os.path.join(root, f"accumulation{key}")
         os.makedirs(directory, exist_ok=True)
@@ -91,18 +119,13 @@ def offload_grid(rank: int, world_size: int) -> dict:
                             reduce_each_micro_batch=not params)
         model, opt, _, norms, _ = train_zerodp(Net, OPTIMIZERS["sgd"], cfg, rank, clip=0.05, micro_batches=2)
         with zerodp.gathered_parameters(model):
-            out[("accumulation", key)] = {"diff": max_rel_diff(model, ref),
-                                          "norm_gap": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
-    if world_size < 4:  # resharding itself is test_checkpoint's; here the placements
-        out["checkpoint"] = checkpoint_both_ways(rank, world_size)
-        out["delayed"] = delayed_update_cases(rank, world_size)
-    if world_size == 2:
-        out["bad_dir"] = bad_offload_dirs(rank, root)
-    if world_size > 1:
-        dist.barrier()
-    if rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    return out
+            return {"diff": max_rel_diff(model, ref),
+                    "norm_gap": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
+
+
+def bad_dir_case(rank: int, world_size: int) -> dict:
+    with scratch(rank, world_size) as root:
+        return bad_offload_dirs(rank, root)
 
 
 def bad_offload_dirs(rank: int, root: str) -> dict:

@@ -2,7 +2,6 @@
 gradient penalty followed by another forward (item 12); see test_stage3_buffers.py."""
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.nn as nn

@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from parity import StepTrace
+
 import zerodp
 from core_cases import max_rel_diff, train_reference, train_zerodp
 from zerodp.memory import formula_bytes
@@ -132,92 +134,98 @@ def rel(a: dict, b: dict) -> float:
     return max_rel_diff(_Frozen(a), _Frozen(b))
 
 
-def parity(rank, world_size):
-    out = {}
-    for precision in ("fp32", "bf16"):
-        cfg3 = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=[Block])
-        dtype = cfg3.compute_dtype
-        ref, *_ = train_reference(gpt_tiny, adamw, dtype, rank, steps=STEPS, loss_of=gpt_loss)
-        model, opt, losses, _, volumes = train_zerodp(gpt_tiny, adamw, cfg3, rank, steps=STEPS, loss_of=gpt_loss)
-        got = full_params(model)
-        want = {n: p.detach().float() for n, p in ref.named_parameters()}
-        cfg2 = zerodp.Config(stage=2, mixed_precision=precision)
-        m2, opt2, *_ = train_zerodp(gpt_tiny, adamw, cfg2, rank, steps=STEPS, loss_of=gpt_loss)
-        stage2 = {n: p.detach().float() for n, p in m2.named_parameters()}
-        rep = opt.memory_report()
-        units = opt.stage3.units
-        out[("gpt", precision)] = {
-            "vs_ddp": rel(got, want), "vs_stage2": rel(got, stage2),
-            "volume": volumes[-1]["volume_numel"], "by_op": volumes[-1]["by_op"],
-            "padded": rep.padded_numel, "numel": rep.numel,
-            "memory": {k: getattr(rep, k) for k in ("params", "grads", "master", "optimizer_states")},
-            "expect": formula_bytes(3, rep.padded_numel, world_size, dtype.itemsize, dtype.itemsize,
-                                    0 if precision == "fp32" else 4, 8),
-            "peak": rep.gathered_params_peak,
-            "root_nbytes": units[-1].full_nbytes, "max_unit_nbytes": max(u.full_nbytes for u in units[:-1]),
-            "unit_names": [u.name for u in units],
-            "local_numel": sum(p.numel() for p in model.parameters()),
-            "tied": model.lm_head.weight is model.transformer.wte.weight,
-            # The tied embedding is laid out (and reduced, and updated) once at stage 2.
-            "stage2_numel": opt2.memory_report().numel,
-            "stage2_tied": m2.lm_head.weight is m2.transformer.wte.weight,
-            "distinct_numel": sum(p.numel() for p in gpt_tiny().parameters()),
-        }
-    # Accumulation over 2 micro-batches equals one step on both; by default each micro-batch
-    # is reduce-scattered into the shard, with reduce_each_micro_batch=False only the last.
+def gpt_case(rank, world_size, precision):
+    """The tiny GPT at stage 3 against DDP and stage 2."""
+    cfg3 = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=[Block])
+    dtype = cfg3.compute_dtype
+    ref_trace, trace = StepTrace(), StepTrace()
+    ref, *_ = train_reference(gpt_tiny, adamw, dtype, rank, steps=STEPS, loss_of=gpt_loss, trace=ref_trace)
+    model, opt, losses, _, volumes = train_zerodp(gpt_tiny, adamw, cfg3, rank, steps=STEPS, loss_of=gpt_loss,
+                                                  trace=trace)
+    got = full_params(model)
+    want = {n: p.detach().float() for n, p in ref.named_parameters()}
+    cfg2 = zerodp.Config(stage=2, mixed_precision=precision)
+    m2, opt2, *_ = train_zerodp(gpt_tiny, adamw, cfg2, rank, steps=STEPS, loss_of=gpt_loss)
+    stage2 = {n: p.detach().float() for n, p in m2.named_parameters()}
+    rep = opt.memory_report()
+    units = opt.stage3.units
+    return {
+        "vs_ddp": rel(got, want), "vs_stage2": rel(got, stage2), "per_step": trace.compare(ref_trace),
+        "volume": volumes[-1]["volume_numel"], "by_op": volumes[-1]["by_op"],
+        "padded": rep.padded_numel, "numel": rep.numel,
+        "memory": {k: getattr(rep, k) for k in ("params", "grads", "master", "optimizer_states")},
+        "expect": formula_bytes(3, rep.padded_numel, world_size, dtype.itemsize, dtype.itemsize,
+                                0 if precision == "fp32" else 4, 8),
+        "peak": rep.gathered_params_peak,
+        "root_nbytes": units[-1].full_nbytes, "max_unit_nbytes": max(u.full_nbytes for u in units[:-1]),
+        "unit_names": [u.name for u in units],
+        "local_numel": sum(p.numel() for p in model.parameters()),
+        "tied": model.lm_head.weight is model.transformer.wte.weight,
+        # The tied embedding is laid out (and reduced, and updated) once at stage 2.
+        "stage2_numel": opt2.memory_report().numel,
+        "stage2_tied": m2.lm_head.weight is m2.transformer.wte.weight,
+        "distinct_numel": sum(p.numel() for p in gpt_tiny().parameters()),
+    }
+
+
+def accumulation_case(rank, world_size, each):
+    """Accumulation over 2 micro-batches equals one step on both; by default each micro-batch
+    is reduce-scattered into the shard, with reduce_each_micro_batch=False only the last."""
     ref, *_ = train_reference(gpt_tiny, adamw, torch.float32, rank, steps=STEPS, loss_of=gpt_loss)
-    for each in (True, False):
-        cfg = zerodp.Config(stage=3, unit_modules=[Block], grad_accumulation_steps=2, reduce_each_micro_batch=each)
-        model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=STEPS, loss_of=gpt_loss,
-                                                 micro_batches=2)
-        out["accumulation" if each else "accumulation_no_sync"] = {
-            "vs_ddp": rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()}),
+    cfg = zerodp.Config(stage=3, unit_modules=[Block], grad_accumulation_steps=2, reduce_each_micro_batch=each)
+    model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=STEPS, loss_of=gpt_loss,
+                                             micro_batches=2)
+    return {"vs_ddp": rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()}),
             "reduce_scatter": volumes[-1]["by_op"].get("reduce_scatter/backward"),
             "padded": opt.memory_report().padded_numel}
-    # reshard_after_forward=False: the forward's gathers stay until backward: 2Ψ.
+
+
+def no_reshard_case(rank, world_size):
+    """reshard_after_forward=False: the forward's gathers stay until backward: 2Ψ."""
     cfg = zerodp.Config(stage=3, unit_modules=[Block], reshard_after_forward=False)
     model, opt, _, _, volumes = train_zerodp(gpt_tiny, adamw, cfg, rank, steps=2, loss_of=gpt_loss)
-    out["no_reshard"] = {"volume": volumes[-1]["volume_numel"], "padded": opt.memory_report().padded_numel}
-    return out
+    return {"volume": volumes[-1]["volume_numel"], "padded": opt.memory_report().padded_numel}
 
 
-def hard_cases(rank, world_size):
-    out = {}
-    for precision in ("fp32", "bf16"):
-        cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=HARD_UNITS)
-        dtype = cfg.compute_dtype
-        ref, *_ = train_reference(HardNet, adamw_no_decay, dtype, rank, steps=STEPS, loss_of=hard_loss,
-                                  find_unused_parameters=True)
-        model, opt, *_ = train_zerodp(HardNet, adamw_no_decay, cfg, rank, steps=STEPS, loss_of=hard_loss)
-        got = full_params(model)
-        want = {n: p.detach().float() for n, p in ref.named_parameters()}
-        torch.manual_seed(0)
-        init = {n: p.detach().float() for n, p in HardNet().named_parameters()}
-        # eval + no_grad: same outputs as the reference, no gradients, every unit freed after.
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
-        model.eval()
-        ref.eval()
-        with torch.no_grad():
-            y = model(x)
-            y_ref = ref(x.to(dtype))
-        out[precision] = {
-            "vs_ddp": rel(got, want),
-            "unused_unchanged": bool(torch.equal(got["blocks.0.unused.weight"],
-                                                 init["blocks.0.unused.weight"].to(dtype).float())),
-            "frozen_unchanged": bool(torch.equal(got["blocks.1.frozen.weight"].to(dtype).float(),
-                                                 init["blocks.1.frozen.weight"].to(dtype).float())),
-            "eval_rel": float((y.float() - y_ref.float()).norm() / y_ref.float().norm()),
-            # Every gathered buffer went back to the pool; parameters are 1-D shard views again.
-            "all_freed": all(u.state is UnitState.SHARDED and u.full is None for u in opt.stage3.units)
-            and all(p.ndim == 1 for p in model.parameters() if p.requires_grad)
-            and sum(b.numel() * b.element_size() for b in opt.stage3.pool.free) == opt.stage3.pool.allocated_nbytes,
-            "no_grads": all(p.grad is None for p in model.parameters()),
-            # Buffers stay replicated, full and updated in place by forward.
-            "buffer_ok": tuple(model.blocks[0].running.shape) == (8,) and bool(model.blocks[0].running.abs().sum() > 0),
-            "units": [u.name for u in opt.stage3.units],
-            "outer": [u.outer for u in opt.stage3.units],
-            "tied": model.proj_out.weight is model.proj_in.weight,
-        }
+def hard_case(rank, world_size, precision):
+    """Unused, frozen and tied parameters, a buffer, nested units, eval: against DDP."""
+    cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=HARD_UNITS)
+    dtype = cfg.compute_dtype
+    ref, *_ = train_reference(HardNet, adamw_no_decay, dtype, rank, steps=STEPS, loss_of=hard_loss,
+                              find_unused_parameters=True)
+    model, opt, *_ = train_zerodp(HardNet, adamw_no_decay, cfg, rank, steps=STEPS, loss_of=hard_loss)
+    got = full_params(model)
+    want = {n: p.detach().float() for n, p in ref.named_parameters()}
+    torch.manual_seed(0)
+    init = {n: p.detach().float() for n, p in HardNet().named_parameters()}
+    # eval + no_grad: same outputs as the reference, no gradients, every unit freed after.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        y = model(x)
+        y_ref = ref(x.to(dtype))
+    return {
+        "vs_ddp": rel(got, want),
+        "unused_unchanged": bool(torch.equal(got["blocks.0.unused.weight"],
+                                             init["blocks.0.unused.weight"].to(dtype).float())),
+        "frozen_unchanged": bool(torch.equal(got["blocks.1.frozen.weight"].to(dtype).float(),
+                                             init["blocks.1.frozen.weight"].to(dtype).float())),
+        "eval_rel": float((y.float() - y_ref.float()).norm() / y_ref.float().norm()),
+        # Every gathered buffer went back to the pool; parameters are 1-D shard views again.
+        "all_freed": all(u.state is UnitState.SHARDED and u.full is None for u in opt.stage3.units)
+        and all(p.ndim == 1 for p in model.parameters() if p.requires_grad)
+        and sum(b.numel() * b.element_size() for b in opt.stage3.pool.free) == opt.stage3.pool.allocated_nbytes,
+        "no_grads": all(p.grad is None for p in model.parameters()),
+        # Buffers stay replicated, full and updated in place by forward.
+        "buffer_ok": tuple(model.blocks[0].running.shape) == (8,) and bool(model.blocks[0].running.abs().sum() > 0),
+        "units": [u.name for u in opt.stage3.units],
+        "outer": [u.outer for u in opt.stage3.units],
+        "tied": model.proj_out.weight is model.proj_in.weight,
+    }
+
+
+def branch_case(rank, world_size):
     # A later step takes another branch than the recorded order: prefetch follows the record,
     # the result still equals DDP's, and nothing hangs. A unit skipped in a step has no
     # gradient and is not stepped, as DDP's after zero_grad() (set_to_none=True).
@@ -225,8 +233,7 @@ def hard_cases(rank, world_size):
     ref, *_ = train_reference(HardNet, adamw_no_decay, torch.float32, rank, steps=STEPS, loss_of=branch_loss,
                               find_unused_parameters=True)
     model, opt, *_ = train_zerodp(HardNet, adamw_no_decay, cfg, rank, steps=STEPS, loss_of=branch_loss)
-    out["branch"] = rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()})
-    return out
+    return rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()})
 
 
 def gathered_and_born(rank, world_size):
@@ -287,14 +294,6 @@ def outer_unit_buffers(rank, world_size):
     return {"vs_ddp": rel(full_params(model), {n: p.detach().float() for n, p in ref.named_parameters()}),
             "outer": [u.outer for u in units], "pool_nbytes": opt.stage3.pool.allocated_nbytes,
             "root_nbytes": units[-1].full_nbytes, "max_unit_nbytes": max(u.full_nbytes for u in units[:-1])}
-
-
-def stage3_world(rank, world_size):
-    out = {"parity": parity(rank, world_size), "hard": hard_cases(rank, world_size),
-           "gathered": gathered_and_born(rank, world_size), "outer": outer_unit_buffers(rank, world_size)}
-    if world_size > 1:
-        out["debug"] = debug_divergence(rank, world_size)
-    return out
 
 
 class Wide(nn.Module):

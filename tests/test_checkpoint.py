@@ -10,49 +10,23 @@ import os
 import pytest
 import torch
 from checkpoint_cases import LM, TRAIN, max_abs
-from harness import run_world
 from safetensors.torch import load_file
-from test_core import MOMENTUM, U32, adamw_tol
+from tolerances import CKPT_ADAMW_TOL as ADAMW_TOL
+from tolerances import CKPT_SGD_TOL as SGD_TOL
 
 import zerodp
 from zerodp.demo.models import GPT
 
-# Continuation bounds, derived (test_core's constants and its adamw_tol). Each is absolute,
-# per element (checkpoint_cases.max_abs), over the TRAIN = 3 steps after the resume.
-#
-# AdamW (adamw_groups: lr 1e-3, 3e-3 on the 1-D group): a resharded run sums the gradients in
-# another order, and Adam divides by sqrt(v), so an element whose gradient is near zero may
-# move by ~lr per step under any rounding difference: 2 lr steps = 0.018 for the largest lr.
-# Weak by design; it still catches a swapped or misplaced shard, an unrestored parameter or
-# non-finite values (all O(0.1-1) apart). A lost optimizer state (restored as zeros) or a step
-# count off by one is caught exactly instead, by roundtrip_equal / roundtrip_meta_equal.
-ADAMW_LR_MAX = 3e-3
-ADAMW_TOL = adamw_tol(ADAMW_LR_MAX, TRAIN)
-# SGD with momentum (checkpoint_cases.sgd_continuation, from the loaded weights on both the
-# saver's and the loader's side: lr 0.01, momentum 0.9, TRAIN = 3 steps), the strict check.
-# The global batch is 4 x 16 = K = 64 tokens at every world size; a reshard regroups the sum
-# of their 64 gradient contributions (within the matmuls, then across <= 4 ranks), so each
-# gradient element moves by at most K u sum|terms| with u = test_core.U32 = 2^-24. sum|terms|
-# (the per-token |contributions| summed, element by element) measured <= 0.20 on this LM over
-# the continuation's batches, so LM_GRAD_BOUND = 1.0 leaves 5x: 3.8e-6 per step. An update moves
-# by lr times that, momentum by at most 1/(1 - 0.9) more, over 3 steps: 1.1e-6; x16 for the
-# feedback of those differences through later gradients, the forward's rounding at another
-# batch size, and other CPUs (as test_core): 1.8e-5. Catches a wrong gradient scale (2x, 1/N:
-# the first update alone moves by lr |g| ~ 1.2e-3 on the largest element, 65x above).
-LM_TOKENS, LM_GRAD_BOUND, LM_SGD_LR = 64, 1.0, 0.01
-SGD_TOL = 16 * TRAIN * LM_SGD_LR / (1 - MOMENTUM) * LM_TOKENS * U32 * LM_GRAD_BOUND
-
-
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
+def worlds(tmp_path_factory, pool):
     root = str(tmp_path_factory.mktemp("ckpt"))
     import checkpoint_cases as cases
 
     out = {"root": root}
-    out["w1_first"] = run_world(1, cases.world_one_first, root, timeout_s=120)[0]
-    out["w4"] = run_world(4, cases.world_four, root, timeout_s=200)
-    out["w2"] = run_world(2, cases.world_two, root, timeout_s=300)
-    out["w1_last"] = run_world(1, cases.world_one_last, root, timeout_s=120)[0]
+    out["w1_first"] = pool.run(1, cases.world_one_first, root, timeout_s=120)[0]
+    out["w4"] = pool.run(4, cases.world_four, root, timeout_s=200)
+    out["w2"] = pool.run(2, cases.world_two, root, timeout_s=300)
+    out["w1_last"] = pool.run(1, cases.world_one_last, root, timeout_s=120)[0]
     return out
 
 

@@ -25,7 +25,6 @@ import torch
 from checkpoint_cases import diffs, error_of, snapshot
 from checkpoint_integrity_cases import edit_json, forged_digest, rehash, trained, two_ranks
 from compat_model import loss_at
-from harness import run_world
 from safetensors.torch import load_file, save_file
 
 import zerodp
@@ -340,8 +339,8 @@ def test_latest_follows_the_recorded_completion_not_file_times(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return run_world(2, two_ranks, str(tmp_path_factory.mktemp("w2")), timeout_s=60)
+def world2(tmp_path_factory, pool):
+    return pool.run(2, two_ranks, str(tmp_path_factory.mktemp("w2")), timeout_s=60)
 
 
 def test_refusals_happen_on_every_rank_and_change_nothing(world2):

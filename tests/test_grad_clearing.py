@@ -3,12 +3,11 @@ DDP's memory at every stage (issue 22; cases: grad_clearing_cases.py)."""
 import pytest
 
 from grad_clearing_cases import EPS, SGD, STEPS, clearing_world
-from harness import run_world
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N{n}")
-def world(request):
-    return request.param, run_world(request.param, clearing_world, timeout_s=300)
+def world(request, pool):
+    return request.param, pool.run(request.param, clearing_world, timeout_s=300)
 
 
 def test_every_clearing_gives_ddps_results(world):

@@ -6,10 +6,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from harness import run_world  # noqa: E402
 from hf_cases import LR, NEW_TOKENS, PROMPT_LEN, STEPS, hf_all  # noqa: E402
 
-from test_core import BF16_ULP, N_MAX, U16, U32, adamw_tol  # noqa: E402
+from tolerances import BF16_ULP, N_MAX, U16, U32, adamw_tol  # noqa: E402
 
 # Every bound is derived from hf_cases (AdamW lr LR = 1e-3, STEPS = 3, SGD lr 0.1 without
 # momentum, N <= N_MAX = 4), not measured: BLAS moves rounding 4-8x between CPUs. Measured
@@ -72,8 +71,8 @@ BLOCK_UNITS = {  # the block instances each model's `_no_split_modules` and unit
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N{n}")
-def runs(request):
-    return request.param, run_world(request.param, hf_all, timeout_s=400)
+def runs(request, pool):
+    return request.param, pool.run(request.param, hf_all, timeout_s=400)
 
 
 @pytest.fixture(scope="module")

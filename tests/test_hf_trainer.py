@@ -23,7 +23,6 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from harness import run_world  # noqa: E402
 from tp_slices import CHAIN_ROUNDING, sgd_bound  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +31,10 @@ ARGS = ["--max-steps", 6, "--save-steps", 3, "--accumulation", 3, "--train-windo
 
 # -- the grid --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def grid(tmp_path_factory):
+def grid(tmp_path_factory, pool):
     from hf_trainer_cases import trainer_world
 
-    return run_world(2, trainer_world, str(tmp_path_factory.mktemp("grid")), timeout_s=400)
+    return pool.run(2, trainer_world, str(tmp_path_factory.mktemp("grid")), timeout_s=400)
 
 
 def fp32_loss_bound(ddp: dict, step: int, numel: int) -> float:

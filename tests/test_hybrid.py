@@ -1,14 +1,13 @@
 """Hybrid sharding: shard within a row of the mesh, replicate across rows (world size 4 as 2 x 2)."""
 import pytest
 
-from harness import run_world
 from hybrid_cases import hybrid_world
-from test_core import ADAMW_BF16_TOL, FP32_TOL
+from tolerances import ADAMW_BF16_TOL, FP32_TOL
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_world(4, hybrid_world, str(tmp_path_factory.mktemp("hybrid")), timeout_s=300)
+def results(tmp_path_factory, pool):
+    return pool.run(4, hybrid_world, str(tmp_path_factory.mktemp("hybrid")), timeout_s=300)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -53,6 +52,6 @@ def test_hybrid_accumulation_and_checkpoint(results):
 def test_hybrid_sharding_in_16_bit_equals_ddp(results, precision, stage):
     for r in results:
         case = r[(precision, stage)]
-        # AdamW on core_cases.Net (hybrid_cases): test_core.ADAMW_BF16_TOL, 2 lr x 5 steps
+        # AdamW on core_cases.Net (hybrid_cases): tolerances.ADAMW_BF16_TOL, 2 lr x 5 steps
         # plus one bf16 ulp (fp16's ulp is finer). The strict check is the SGD fp32 cases above.
         assert case["diff"] <= ADAMW_BF16_TOL and case["loss_diff"] <= ADAMW_BF16_TOL and case["skipped"] == 0, case

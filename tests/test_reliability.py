@@ -11,8 +11,8 @@ BOUND_S = TIMEOUT_S + 5 + 3
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_world(2, reliability_world, str(tmp_path_factory.mktemp("rel")), timeout_s=300)
+def results(tmp_path_factory, pool):
+    return pool.run(2, reliability_world, str(tmp_path_factory.mktemp("rel")), timeout_s=300)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

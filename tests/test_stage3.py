@@ -1,11 +1,12 @@
-"""Stage 3 against torch DDP and stage 2, with every hard case, in one world per size."""
+"""Stage 3 against torch DDP and stage 2, with every hard case, a case per test (cases: stage3_cases.py)."""
 import pytest
 
+import stage3_cases as cases
+from stage3_cases import big_model_world
 from harness import run_world
-from stage3_cases import big_model_world, stage3_world
-from test_core import BF16_ULP, adamw_tol
+from tolerances import BF16_ULP, adamw_tol
 
-# Every case here trains with AdamW (stage3_cases): a parity bound is test_core.adamw_tol
+# Every case here trains with AdamW (stage3_cases): a parity bound is tolerances.adamw_tol
 # (2 lr per step: a near-zero gradient's Adam step may take either sign under any rounding
 # difference), plus one bf16 ulp (2^-8 in the 1 + |b| metric) in bf16. The scale-sensitive
 # stage-3 check is plain SGD: test_trust.test_sgd_stage3_accumulation_and_fp32_reduction.
@@ -15,59 +16,57 @@ from test_core import BF16_ULP, adamw_tol
 GPT_TOL = {"fp32": adamw_tol(1e-3, 4), "bf16": adamw_tol(1e-3, 4) + BF16_ULP}
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"N{n}")
-def world(request):
-    return request.param, run_world(request.param, stage3_world, timeout_s=400)
+SIZES = pytest.mark.parametrize("n", [1, 2, 4], ids=lambda n: f"N{n}")
+PRECISIONS = pytest.mark.parametrize("precision", ["fp32", "bf16"])
 
 
-def test_gpt_parity_with_ddp_and_stage2(world):
-    n, results = world
-    for r in results:
-        for precision in ("fp32", "bf16"):
-            p = r["parity"][("gpt", precision)]
-            tol = GPT_TOL[precision]
-            assert p["vs_ddp"] <= tol, (n, precision, p["vs_ddp"])
-            # Stage 3 reduces the same gradients in the same dtype as stage 2.
-            assert p["vs_stage2"] <= tol, (n, precision, p["vs_stage2"])
-            assert p["tied"] and p["stage2_tied"]
-            assert p["stage2_numel"] == p["numel"] == p["distinct_numel"]
-            assert p["unit_names"] == ["transformer.h.0", "transformer.h.1", "<root>"]
+@SIZES
+@PRECISIONS
+def test_gpt_parity_with_ddp_and_stage2(pool, n, precision):
+    for p in pool.cached(n, cases.gpt_case, precision):
+        tol = GPT_TOL[precision]
+        assert p["vs_ddp"] <= tol, (n, precision, p["vs_ddp"])
+        # Every step's parameters and loss within the run's bound (parity.py).
+        assert max(p["per_step"]["params"]) <= tol and max(p["per_step"]["losses"]) <= tol, p["per_step"]
+        # Stage 3 reduces the same gradients in the same dtype as stage 2.
+        assert p["vs_stage2"] <= tol, (n, precision, p["vs_stage2"])
+        assert p["tied"] and p["stage2_tied"]
+        assert p["stage2_numel"] == p["numel"] == p["distinct_numel"]
+        assert p["unit_names"] == ["transformer.h.0", "transformer.h.1", "<root>"]
 
 
-def test_model_parameters_are_owned_shards(world):
-    n, results = world
-    p = results[0]["parity"][("gpt", "fp32")]
+@SIZES
+def test_model_parameters_are_owned_shards(pool, n):
+    p = pool.cached(n, cases.gpt_case, "fp32")[0]
     # Outside a gather each parameter is a view of the rank's shard: Ψ/N elements in all
     # (up to per-unit padding).
     assert p["numel"] / n - n <= p["local_numel"] <= p["padded"] / n
 
 
-def test_memory_is_16_psi_over_n(world):
-    n, results = world
-    for r in results:
-        for precision in ("fp32", "bf16"):
-            p = r["parity"][("gpt", precision)]
-            assert p["memory"] == p["expect"], (n, precision)
-            assert p["padded"] - p["numel"] < 3 * n  # padding: fewer than N per unit
-        bf16 = r["parity"][("gpt", "bf16")]
-        assert sum(bf16["memory"].values()) == 16 * bf16["padded"] // n
+@SIZES
+@PRECISIONS
+def test_memory_is_16_psi_over_n(pool, n, precision):
+    for p in pool.cached(n, cases.gpt_case, precision):
+        assert p["memory"] == p["expect"], (n, precision)
+        assert p["padded"] - p["numel"] < 3 * n  # padding: fewer than N per unit
+        if precision == "bf16":
+            assert sum(p["memory"].values()) == 16 * p["padded"] // n
 
 
-def test_gathered_peak_bounded_by_units_in_flight(world):
-    _, results = world
-    for precision in ("fp32", "bf16"):
-        p = results[0]["parity"][("gpt", precision)]
-        # The root (embeddings, final norm) stays gathered while its children run; at most
-        # prefetch_units + 1 = 2 other units are gathered with it.
-        bound = p["root_nbytes"] + 2 * p["max_unit_nbytes"]
-        assert 0 < p["peak"] <= bound
-        assert p["peak"] > p["root_nbytes"]  # a block really was gathered with the root
+@SIZES
+@PRECISIONS
+def test_gathered_peak_bounded_by_units_in_flight(pool, n, precision):
+    p = pool.cached(n, cases.gpt_case, precision)[0]
+    # The root (embeddings, final norm) stays gathered while its children run; at most
+    # prefetch_units + 1 = 2 other units are gathered with it.
+    bound = p["root_nbytes"] + 2 * p["max_unit_nbytes"]
+    assert 0 < p["peak"] <= bound
+    assert p["peak"] > p["root_nbytes"]  # a block really was gathered with the root
 
 
-def test_outer_unit_takes_gradients_into_its_parameter_buffer(world):
-    n, results = world
-    for r in results:
-        o = r["outer"]
+@SIZES
+def test_outer_unit_takes_gradients_into_its_parameter_buffer(pool, n):
+    for o in pool.run(n, cases.outer_unit_buffers):
         assert o["vs_ddp"] <= adamw_tol(1e-3, 2), (n, o["vs_ddp"])
         assert o["outer"] == [False, False, True]  # the root encloses the blocks
         # One root-sized buffer serves the root's gathered parameters and then its
@@ -76,13 +75,16 @@ def test_outer_unit_takes_gradients_into_its_parameter_buffer(world):
         assert o["root_nbytes"] <= o["pool_nbytes"] < 2 * o["root_nbytes"], o
 
 
-def test_comm_volume_three_psi(world):
-    _, results = world
-    p = results[0]["parity"][("gpt", "fp32")]
+@SIZES
+def test_comm_volume_three_psi(pool, n):
+    p = pool.cached(n, cases.gpt_case, "fp32")[0]
     psi = p["padded"]
-    assert p["by_op"] == {"all_gather/forward": psi, "all_gather/backward": psi, "reduce_scatter/backward": psi}
+    # The per-step snapshots of parity.StepTrace gather the state dict (phase "checkpoint"),
+    # outside the training step's volume.
+    by_op = {k: v for k, v in p["by_op"].items() if not k.endswith("/checkpoint")}
+    assert by_op == {"all_gather/forward": psi, "all_gather/backward": psi, "reduce_scatter/backward": psi}
     assert p["volume"] == 3 * psi
-    nr = results[0]["parity"]["no_reshard"]
+    nr = pool.run(n, cases.no_reshard_case)[0]
     assert nr["volume"] == 2 * nr["padded"]
 
 
@@ -97,26 +99,25 @@ HARD_FP32_TOL = adamw_tol(1e-2, 4)
 HARD_BF16_TOL = adamw_tol(1e-2, 4) + BF16_ULP
 
 
-def test_hard_cases(world):
-    n, results = world
-    for r in results:
-        for precision in ("fp32", "bf16"):
-            h = r["hard"][precision]
-            tol = HARD_FP32_TOL if precision == "fp32" else HARD_BF16_TOL
-            assert h["vs_ddp"] <= tol, (n, precision, h["vs_ddp"])
-            assert h["unused_unchanged"] and h["frozen_unchanged"] and h["tied"] and h["buffer_ok"]
-            assert h["eval_rel"] <= tol
-            assert h["all_freed"] and h["no_grads"]
-            assert h["units"] == ["blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "<root>"]
-            assert h["outer"] == [True, False, True, False, True]  # nested: gradients taken at the end
+@SIZES
+@PRECISIONS
+def test_hard_cases(pool, n, precision):
+    for h in pool.run(n, cases.hard_case, precision):
+        tol = HARD_FP32_TOL if precision == "fp32" else HARD_BF16_TOL
+        assert h["vs_ddp"] <= tol, (n, precision, h["vs_ddp"])
+        assert h["unused_unchanged"] and h["frozen_unchanged"] and h["tied"] and h["buffer_ok"]
+        assert h["eval_rel"] <= tol
+        assert h["all_freed"] and h["no_grads"]
+        assert h["units"] == ["blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "<root>"]
+        assert h["outer"] == [True, False, True, False, True]  # nested: gradients taken at the end
 
 
 ACCUM_TOL = adamw_tol(1e-3, 4)
 
 
-def test_accumulation_equals_large_batch(world):
-    _, results = world
-    a = results[0]["parity"]["accumulation"]
+@SIZES
+def test_accumulation_equals_large_batch(pool, n):
+    a = pool.run(n, cases.accumulation_case, True)[0]
     # Two 16-token means averaged are not bitwise one 32-token mean: the loss itself rounds
     # differently (~1e-7), and Adam's normalised steps carry that for 4 steps on elements
     # whose gradients are near zero, up to lr of either sign per step: the AdamW bound,
@@ -125,15 +126,15 @@ def test_accumulation_equals_large_batch(world):
     # (test_trust, FP32_TOL); this still catches a misplaced shard or non-finite values.
     assert a["vs_ddp"] <= ACCUM_TOL
     assert a["reduce_scatter"] == 2 * a["padded"]  # one reduce-scatter of Ψ per micro-batch
-    b = results[0]["parity"]["accumulation_no_sync"]
+    b = pool.run(n, cases.accumulation_case, False)[0]
     assert b["vs_ddp"] <= ACCUM_TOL
     assert b["reduce_scatter"] == b["padded"]  # one reduce-scatter of Ψ per step, at the boundary
 
 
-def test_branch_taken_later_still_equals_ddp(world):
-    _, results = world
-    for r in results:
-        assert r["hard"]["branch"] <= HARD_FP32_TOL  # adamw_no_decay, lr 1e-2, 4 steps
+@SIZES
+def test_branch_taken_later_still_equals_ddp(pool, n):
+    for branch in pool.run(n, cases.branch_case):
+        assert branch <= HARD_FP32_TOL  # adamw_no_decay, lr 1e-2, 4 steps
 
 
 def test_automatic_units_by_parameter_count():
@@ -155,27 +156,25 @@ def test_automatic_units_by_parameter_count():
         select_units(GPT("tiny"), ("NoSuchBlock",), 1)
 
 
-def test_born_sharded_and_gathered_parameters(world):
-    _, results = world
-    for r in results:
-        g = r["gathered"]
+@SIZES
+def test_born_sharded_and_gathered_parameters(pool, n):
+    for g in pool.run(n, cases.gathered_and_born):
         assert g["meta_before"] and g["born_equal"] and g["born_tied"]
         assert g["modify_full_shape"] == (128, 32)
         assert g["modify_applied"]  # rank 0's value on every rank
         assert len(g["shard_shape_after"]) == 1
 
 
-def test_debug_mode_names_diverging_unit(world):
-    n, results = world
-    if n == 1:
-        pytest.skip("divergence needs two ranks")
-    for r in results:
-        assert r["debug"] is not None
-        assert "ranks diverged" in r["debug"] and "blocks.1" in r["debug"] and f"rank {n - 1}" in r["debug"]
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"N{n}")  # divergence needs two ranks
+def test_debug_mode_names_diverging_unit(pool, n):
+    for debug in pool.run(n, cases.debug_divergence):
+        assert debug is not None
+        assert "ranks diverged" in debug and "blocks.1" in debug and f"rank {n - 1}" in debug
 
 
 def test_born_sharded_model_larger_than_a_rank():
     # 13 x Linear(4096, 4096) = 218M parameters, 0.8 GiB of fp32 weights, at world size 4.
+    # A fresh world: ru_maxrss is a process's lifetime peak, which a reused rank has already set.
     results = run_world(4, big_model_world, 4096, 13, timeout_s=500)
     for r in results:
         assert r["full_nbytes"] >= 0.75 * 2**30

@@ -3,13 +3,12 @@
 One spawned world of 2 runs both (stage3_buffers_cases.py)."""
 import pytest
 
-from harness import run_world
 from stage3_buffers_cases import DEPTH, buffers_world
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(2, buffers_world, timeout_s=240)
+def results(pool):
+    return pool.run(2, buffers_world, timeout_s=240)
 
 
 def test_gathered_parameters_leaves_the_pool_as_it_found_it(results):

@@ -7,27 +7,27 @@ state_dict_cases.py.
 import pytest
 import torch
 from checkpoint_cases import max_abs
-from harness import run_world
-from test_checkpoint import ADAMW_TOL, SGD_TOL
-from test_core import BF16_ULP
+from tolerances import CKPT_ADAMW_TOL as ADAMW_TOL
+from tolerances import CKPT_SGD_TOL as SGD_TOL
+from tolerances import BF16_ULP
 
-# Bounds are derived, absolute per element (checkpoint_cases.max_abs); see test_checkpoint.py
+# Bounds are derived, absolute per element (checkpoint_cases.max_abs); see tolerances.py
 # for the derivations of ADAMW_TOL (AdamW, lr <= 3e-3, 3 steps: 2 lr steps = 0.018, weak) and
 # SGD_TOL (plain SGD with momentum, the strict check: 1.8e-5). Same model, data and steps here.
 # Where the resumed run is the identical computation (same world size, same stage, same
 # order) the comparison is exact.
 # bf16 at another stage: the AdamW bound plus one bf16 ulp of the compared parameter
-# (test_core.BF16_ULP), since the master is restored exactly but the bf16 weights round.
+# (tolerances.BF16_ULP), since the master is restored exactly but the bf16 weights round.
 ADAMW_BF16_TOL = ADAMW_TOL + BF16_ULP
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
+def worlds(tmp_path_factory, pool):
     root = str(tmp_path_factory.mktemp("sd"))
     import state_dict_cases as cases
 
-    return {"w2": run_world(2, cases.world_two, root, timeout_s=300),
-            "w4": run_world(4, cases.world_four, root, timeout_s=200)}
+    return {"w2": pool.run(2, cases.world_two, root, timeout_s=300),
+            "w4": pool.run(4, cases.world_four, root, timeout_s=200)}
 
 
 def test_state_dicts_are_dtensors_where_sharded(worlds):

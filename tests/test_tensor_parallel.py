@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from harness import run_world
 from tp_cases import (BATCH, GPT_CFG, LAYOUTS, OPTIMIZERS, PA, RUNS, SEQ, USER_PATH_LR, VOCAB, diffs_to_reference,
                       expected_slice, max_diff_to_reference, tp_world)
 from tp_slices import CHAIN_ROUNDING, adam_ratio, adamw_bound, sgd_bound
@@ -19,8 +18,8 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(WORLD, tp_world, timeout_s=500)
+def results(pool):
+    return pool.run(WORLD, tp_world, timeout_s=500)
 
 
 def sgd_tolerance(ref: dict) -> float:

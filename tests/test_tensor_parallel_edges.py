@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from harness import run_world
 from tp_edge_cases import (CLIP_CASES, DP, LR, NONFINITE, PA, TP, TWO_BATCH, TWO_HIDDEN, TWO_LAYERS, TWO_SEQ,
                            edge_world, max_diff_to_reference, slice_of)
 from tp_slices import CHAIN_ROUNDING, rounding, sgd_bound
@@ -36,8 +35,8 @@ def sgd_tol(ref: dict, clipped: bool = True) -> float:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(WORLD, edge_world, timeout_s=150)
+def results(pool):
+    return pool.run(WORLD, edge_world, timeout_s=150)
 
 
 def tp_peer(rank: int) -> int:

@@ -2,14 +2,13 @@
 import pytest
 import torch
 
-from harness import run_world
 from topology_cases import topology_world
 from zerodp import Topology
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(4, topology_world, timeout_s=240)
+def results(pool):
+    return pool.run(4, topology_world, timeout_s=240)
 
 
 def test_the_default_mesh_shards_over_every_rank(results):

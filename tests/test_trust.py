@@ -1,9 +1,10 @@
-"""The paths real training loops take (cases: trust_cases.py), in one world per size."""
+"""The paths real training loops take (cases: trust_cases.py), a part of the grid per test."""
 import pytest
 
 from harness import run_world
-from test_core import BF16_ULP, FP32_TOL, N_MAX, TOL, U16
-from trust_cases import trust_world
+from tolerances import BF16_ULP, FP32_TOL, N_MAX, TOL, U16
+from trust_cases import trust_parts
+from worldpool import LazyWorld
 
 # bf16 under plain SGD (lr 0.05, 4 steps): zerodp and the bf16 DDP reference round the same
 # sums the same way but for reduction order and, with accumulation, the grouping of the
@@ -24,8 +25,8 @@ FP16_TOL = 2.0**-10 + N_MAX * 2.0**-11 * 1.0 * 0.05 * 5
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N{n}")
-def world(request):
-    return request.param, run_world(request.param, trust_world, timeout_s=400)
+def world(request, pool):
+    return request.param, LazyWorld(pool, request.param, trust_parts(request.param))
 
 
 def test_failed_backward_then_zero_grad_equals_ddp_skipping_the_batch(world):
@@ -234,9 +235,9 @@ def test_shutdown_without_waiting_after_a_handled_error():
     assert time.monotonic() - start < 45
 
 
-def test_inf_norm_is_nan_when_any_gradient_is():
+def test_inf_norm_is_nan_when_any_gradient_is(pool):
     import math
 
     from trust_cases import inf_norm_with_nan
 
-    assert all(math.isnan(v) for v in run_world(2, inf_norm_with_nan, timeout_s=120))
+    assert all(math.isnan(v) for v in pool.run(2, inf_norm_with_nan, timeout_s=120))

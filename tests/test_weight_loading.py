@@ -9,14 +9,13 @@ result is exact in any summation order ([Note: exact arithmetic] in weight_loadi
 and a load copies values, so the master must hold them unrounded.
 """
 import pytest
-from harness import run_world
 
 
 @pytest.fixture(scope="module")
-def worlds():
+def worlds(pool):
     import weight_loading_cases as cases
 
-    return {2: run_world(2, cases.world_two, timeout_s=300), 4: run_world(4, cases.world_four, timeout_s=300)}
+    return {2: pool.run(2, cases.world_two, timeout_s=300), 4: pool.run(4, cases.world_four, timeout_s=300)}
 
 
 def _wrong(results: list[dict]) -> list:

@@ -5,16 +5,15 @@ import pytest
 import torch
 
 import zerodp
-from harness import run_world
-from test_core import ADAMW_BF16_TOL, FP32_TOL, TOL
+from tolerances import ADAMW_BF16_TOL, FP32_TOL, TOL
 from zeropp_cases import BLOCK, NODE, NODES, OPTIMIZERS, Net, payload, zeropp_world
 
 WORLD = NODE * NODES
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_world(WORLD, zeropp_world, str(tmp_path_factory.mktemp("zeropp")), timeout_s=400)
+def results(tmp_path_factory, pool):
+    return pool.run(WORLD, zeropp_world, str(tmp_path_factory.mktemp("zeropp")), timeout_s=400)
 
 
 def test_quantized_collectives_stay_within_the_derived_bound(results):

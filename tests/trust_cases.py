@@ -394,17 +394,15 @@ def sharded_use(rank, world_size):
     return _error_of(lambda: model(torch.ones(2, 16)))
 
 
-def trust_world(rank, world_size):
-    out = {"failed": failed_backward(rank, world_size), "reentrant": reentrant_checkpointing(rank, world_size),
-           "dtype": dtype_policy(rank, world_size), "probe": optimizer_probe(rank, world_size),
-           "order": registration_order(rank, world_size), "fp16": fp16_paths(rank, world_size),
-           "sgd3": sgd_stage3_grid(rank, world_size), "memory": memory_ledger(rank, world_size),
-           "sharded_use": sharded_use(rank, world_size), "review": review_cases(rank, world_size),
-           "reliability": reliability_cases(rank, world_size)}
+def trust_parts(world_size: int) -> dict:
+    """The named parts of this module's grid (worldpool.LazyWorld), each a case of its own."""
+    parts = {"failed": failed_backward, "reentrant": reentrant_checkpointing, "dtype": dtype_policy,
+             "probe": optimizer_probe, "order": registration_order, "fp16": fp16_paths, "sgd3": sgd_stage3_grid,
+             "memory": memory_ledger, "sharded_use": sharded_use, "review": review_cases,
+             "reliability": reliability_cases}
     if world_size > 1:
-        out["rank_seeds"] = born_with_rank_seeds(rank, world_size)
-        out["disagree"] = ranks_that_disagree(rank, world_size)
-    return out
+        parts.update(rank_seeds=born_with_rank_seeds, disagree=ranks_that_disagree)
+    return parts
 
 
 class SharedBlocks(Stack):
