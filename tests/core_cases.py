@@ -293,7 +293,7 @@ def chunked_step_case(rank, world_size):
         "master_bytes": sum(t.numel() * t.element_size() for t in masters),
         "state_storages": {k: len({opt.state[t][k].untyped_storage().data_ptr() for t in masters})
                            for k in ("exp_avg", "exp_avg_sq")},
-        "shards": sum(len(g) for g in opt.shards)}
+        "shards": sum(len(g) for g in opt.stepper.shards)}
 
 
 def fp16_overflow(rank, world_size):

@@ -315,7 +315,7 @@ def memory_after_clearing(rank: int, world_size: int) -> dict:
                 reports[clearing] = opt.memory_report().as_dict()
                 if clearing == "step":
                     out[("master_grads", stage, offload, reduce_dtype)] = sum(
-                        m.grad is not None for s in opt.all_shards() for m in s.master_tensors)
+                        m.grad is not None for s in opt.stepper.all_shards() for m in s.master_tensors)
             out[(stage, offload, reduce_dtype)] = reports
     return out
 

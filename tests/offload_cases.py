@@ -81,7 +81,7 @@ def _placements(rank: int, root: str, stage: int, precision: str, name: str) -> 
     device_params = _params(runs["none"][0])
     for place in places[1:]:
         model, opt, losses, rep = runs[place]
-        files = getattr(opt.placement, "files", None)
+        files = getattr(opt.stepper.placement, "files", None)
         with zerodp.gathered_parameters(model):
             diff = max_rel_diff(model, ref)
         out[place] = {
@@ -96,7 +96,7 @@ def _placements(rank: int, root: str, stage: int, precision: str, name: str) -> 
             "units": len(opt.stage3.units) if opt.stage3 is not None else 0,
             # [Note: gradient streaming]: every host buffer filled during backward, every step.
             "streamed": opt.streamer.streamed_pieces,
-            "staged_pieces": STEPS * sum(len(s.grad_staging) for s in opt.all_shards()),
+            "staged_pieces": STEPS * sum(len(s.grad_staging) for s in opt.stepper.all_shards()),
             # What the files take on disk, from the kernel's side: their sizes.
             "file_bytes": sum(os.fstat(fd).st_size for *_, fd in files.regions) if files is not None else 0}
     return out
@@ -196,7 +196,7 @@ def delayed_update_cases(rank: int, world_size: int) -> dict:
         cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET, unit_min_params=10, offload_optimizer="host",
                             delayed_update_after=after)
         model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
-        pending = opt.delayed.pending
+        pending = opt.stepper.pending
         with zerodp.gathered_parameters(model):
             before_settle = max_rel_diff(model, lagging)
         opt.settle()
@@ -241,7 +241,7 @@ def failed_delayed_update(rank: int) -> str:
 
 def _shard_numel(opt) -> int:
     """Elements of the master this rank holds (the shards' owned pieces, padding excluded)."""
-    return sum(m.numel() for s in opt.all_shards() for m in s.master_tensors)
+    return sum(m.numel() for s in opt.stepper.all_shards() for m in s.master_tensors)
 
 
 def _steps(model, opt, steps, start, rank) -> list[float]:

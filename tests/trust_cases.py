@@ -587,5 +587,5 @@ def inf_norm_with_nan(rank, world_size):
     opt.backward(loss_fn(model(x), y))
     if rank == world_size - 1:
         opt._prepare_grads()
-        opt.shards[0][0].master_tensors[-1].grad.view(-1)[-1] = float("nan")  # the flat layout's last piece: inp
+        opt.stepper.shards[0][0].master_tensors[-1].grad.view(-1)[-1] = float("nan")  # the flat layout's last piece: inp
     return float(opt.clip_grad_norm_(1.0, norm_type=float("inf")))

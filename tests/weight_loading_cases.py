@@ -337,7 +337,7 @@ def delayed_state_dicts(rank: int, world_size: int) -> dict:
         pair = Runs(zconfig(stage, "fp32", "delayed"), fine_weights(0))
         for k, (name, read) in enumerate(STATE_DICT_READS.items()):
             pair.step(k, LR)
-            if not pair.zopt.delayed.pending:
+            if not pair.zopt.stepper.pending:
                 out[(stage, name)] = "no update in flight"
                 continue
             got = {}

@@ -118,7 +118,7 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     raise_if_failed(comm.all_gather_object(local, "checkpoint"), "load_pretrained")
     with torch.no_grad():
         for s, value in masters:
-            optimizer.placement.write(s.master, value)
+            s.write(s.master, value)
         write_replicated(replicated, view.replicated)
     optimizer.sync_params_from_master("checkpoint")
 

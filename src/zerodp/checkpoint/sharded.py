@@ -65,16 +65,16 @@ def _slices_to_write(optimizer) -> list:
     return [s for s in optimizer.owned_slices() if s.numel > 0]
 
 
-def _shard_tensors(slices, full_precision: bool, placement) -> dict:
+def _shard_tensors(slices, full_precision: bool) -> dict:
     """This rank's pieces as CPU tensors; masters and optimizer states are read through
     their placement ([Note: master placement] in optim/master.py)."""
     out = {}
     for s in slices:
-        out[f"master/{s.name}/{s.start}"] = placement.read(s.master)
+        out[f"master/{s.name}/{s.start}"] = s.read(s.master)
         if not full_precision:
             out[f"param/{s.name}/{s.start}"] = s.param.detach().cpu().contiguous()
         for key, v in s.states.items():
-            out[f"state/{key}/{s.name}/{s.start}"] = placement.read(v)
+            out[f"state/{key}/{s.name}/{s.start}"] = s.read(v)
     return out
 
 
@@ -127,7 +127,7 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
         os.makedirs(tmp, exist_ok=True)
         full_precision = optimizer.config.compute_dtype == torch.float32
         files = {rank_file(rank): fileio.write_safetensors(os.path.join(tmp, rank_file(rank)),
-                                                      _shard_tensors(slices, full_precision, optimizer.placement)),
+                                                      _shard_tensors(slices, full_precision)),
                  rank_json(rank): fileio.write_json(os.path.join(tmp, rank_json(rank)), {"rng": rng_state()})}
         if rank == 0:
             view = model_view(model)
@@ -312,14 +312,15 @@ def _apply(meta: dict, loaded: _Loaded, optimizer) -> None:
     elif not any(meta["scalar_states"]):
         optimizer.clear_state()  # saved before the first step: no state yet
     for s, value in loaded.masters:
-        optimizer.placement.write(s.master, value)
+        s.write(s.master, value)
     # owned_slices() again: materialize_state may just have created the states.
     live = {(s.name, s.start): s for s in optimizer.owned_slices()}
     for s, key, value in loaded.states:
-        target = live[(s.name, s.start)].states.get(key)
+        s = live[(s.name, s.start)]
+        target = s.states.get(key)
         if target is None:
             raise CheckpointError(f"the optimizer has no state {key!r} for {s.name}; the checkpoint has")
-        optimizer.placement.write(target, value)
+        s.write(target, value)
     optimizer.load_scalar_states(meta["scalar_states"])
     scaler = dict(meta["loss_scaler"])
     if not (optimizer.config.uses_loss_scaling and meta["config"]["mixed_precision"] == "fp16"):

@@ -9,17 +9,17 @@ __all__ = ["measure"]
 def measure(opt) -> MemoryReport:
     """Bytes a ZeroOptimizer's rank holds, counted from its storages, by category and by
     placement (device, host, disk)."""
-    census = Census()
-    storages = [s.storage for s in opt.all_shards()]
+    census, stepper = Census(), opt.stepper
+    storages = [s.storage for s in stepper.all_shards()]
     held_by = [st.held_tensors() for st in storages]
     census.claim("params", (t for held in held_by for t in held["params"]))
-    census.claim("master", (m for s in opt.all_shards() for m in s.master_tensors))
+    census.claim("master", (m for s in stepper.all_shards() for m in s.master_tensors))
     census.claim("grads", (t for held in held_by for t in held["grads"]))
-    census.claim("grads", (m.grad for s in opt.all_shards() for m in s.master_tensors))
-    census.claim("grads", (b for s in opt.all_shards() for b in s.grad_staging))
-    census.claim("optimizer_states", (v for p, state in opt.inner.state.items()
+    census.claim("grads", (m.grad for s in stepper.all_shards() for m in s.master_tensors))
+    census.claim("grads", (b for s in stepper.all_shards() for b in s.grad_staging))
+    census.claim("optimizer_states", (v for p, state in stepper.inner.state.items()
                                       for v in state.values() if is_elementwise_state(v, p)))
-    census.claim("optimizer_states", opt.homes.buffers.values())  # allocated ahead (disk)
+    census.claim("optimizer_states", stepper.homes.buffers.values())  # allocated ahead (disk)
     census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
     secondary = getattr(opt.grad_sync, "secondary_pool", None)
     census.claim("secondary_params", secondary.allocated if secondary is not None else ())
@@ -38,13 +38,13 @@ def measure(opt) -> MemoryReport:
     for st in storages:  # Config.offload_params: the shards themselves
         for kind, tensors in st.offloaded_tensors().items():
             offloaded.claim(kind, tensors)
-    if opt.placement.kind in ("host", "disk"):
-        files = getattr(opt.placement, "files", None)
-        kept = [*(m for s in opt.all_shards() for m in s.master_tensors),
-                *(b for s in opt.all_shards() for b in s.grad_staging),
-                *(v for p, state in opt.inner.state.items() for v in state.values()
-                  if is_elementwise_state(v, p)), *opt.homes.buffers.values()]
-        offloaded.claim(opt.placement.kind, (t for t in kept if files is None or files.owns(t)))
+    if stepper.placement.kind in ("host", "disk"):
+        files = getattr(stepper.placement, "files", None)
+        kept = [*(m for s in stepper.all_shards() for m in s.master_tensors),
+                *(b for s in stepper.all_shards() for b in s.grad_staging),
+                *(v for p, state in stepper.inner.state.items() for v in state.values()
+                  if is_elementwise_state(v, p)), *stepper.homes.buffers.values()]
+        offloaded.claim(stepper.placement.kind, (t for t in kept if files is None or files.owns(t)))
     offloaded.claim("activations_host", checkpoints["host"])
     by_place = offloaded.by_owner()
     return MemoryReport(

@@ -36,7 +36,9 @@ SCALER_PREFIX = "loss_scaler."
 @dataclass
 class OwnedSlice:
     """Elements [start, start+numel) of one flattened parameter that this rank owns, with
-    views of its compute value, fp32 master and per-element optimizer states."""
+    views of its compute value, fp32 master and per-element optimizer states. The master
+    and states are read and written through `read`/`write`, which go through their
+    placement ([Note: master placement] in master.py): they may live in host memory or a file."""
 
     name: str
     shape: tuple
@@ -46,23 +48,34 @@ class OwnedSlice:
     param: torch.Tensor
     master: torch.Tensor
     states: dict
+    placement: object = None
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The master or one of the states, as a CPU tensor for a checkpoint."""
+        return self.placement.read(tensor)
+
+    def write(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """Values from a checkpoint (CPU, fp32) into the master or one of the states."""
+        self.placement.write(tensor, value)
 
 
-def owned_slices(opt) -> list[OwnedSlice]:
-    """Every run of parameter elements this rank owns, by parameter name; independent of
-    the world size and stage, so a checkpoint written from it can be read by any other."""
+def owned_slices(shards: list, state: dict) -> list[OwnedSlice]:
+    """Every run of parameter elements this rank owns, by parameter name, in `shards` (per
+    param group, the master shards) with their optimizer `state`; independent of the world
+    size and stage, so a checkpoint written from it can be read by any other."""
     out = []
-    for gi, group in enumerate(opt.shards):
+    for gi, group in enumerate(shards):
         for shard in group:
             st = shard.storage
             params, pieces = st.owned_params(), st.owned_pieces()
             for pi, si, a, b in piece_runs(st):
                 master_t, slot = shard.master_tensors[pi], st.layout.slots[si]
-                states = {k: v.reshape(-1)[a:b] for k, v in opt.inner.state.get(master_t, {}).items()
+                states = {k: v.reshape(-1)[a:b] for k, v in state.get(master_t, {}).items()
                           if is_elementwise_state(v, master_t)}
                 out.append(OwnedSlice(
                     name=st.names[si], shape=slot.shape, group=gi, start=pieces[pi].flat_start + a - slot.offset,
-                    numel=b - a, param=params[pi].reshape(-1)[a:b], master=master_t.reshape(-1)[a:b], states=states))
+                    numel=b - a, param=params[pi].reshape(-1)[a:b], master=master_t.reshape(-1)[a:b], states=states,
+                    placement=shard.placement))
     return out
 
 
@@ -88,7 +101,7 @@ def _local_states(opt, group) -> _GroupStates:
         st = shard.storage
         for pi, si, _, _ in piece_runs(st):
             t = shard.master_tensors[pi]
-            state = opt.inner.state.get(t)
+            state = opt.stepper.inner.state.get(t)
             if not state:
                 continue
             scalars = out.params.setdefault(st.names[si], {})
@@ -105,7 +118,7 @@ def _agreed_states(opt) -> list[_GroupStates]:
     (at stage 3, a few norm weights) and then holds none of its states; the ranks pool what
     they hold (one small exchange), so every rank runs the same collectives and writes the
     same entries."""
-    local = [_local_states(opt, group) for group in opt.shards]
+    local = [_local_states(opt, group) for group in opt.stepper.shards]
     if opt.comm.world_size == 1:
         return local
     pooled = opt.comm.all_gather_object([(g.dtypes, g.params) for g in local], "checkpoint",
@@ -132,7 +145,7 @@ def _piece_tensors(opt, shard, key: str) -> list:
     """Each owned piece's tensor of `key` (None where the piece has no such state)."""
     if key == MASTER:
         return shard.master_tensors
-    return [opt.inner.state.get(t, {}).get(key) for t in shard.master_tensors]
+    return [opt.stepper.inner.state.get(t, {}).get(key) for t in shard.master_tensors]
 
 
 def _local_values(rows: RowSharding, shard, tensors: list, dtype: torch.dtype, device) -> dict[int, torch.Tensor]:
@@ -164,10 +177,10 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
     at learning rate 0 (`ZeroOptimizer._is_state_probe`), as on any torch optimizer."""
     rows.refuse_tensor_parallel("optimizer.state_dict()")
     pid_of, pid_of_name = _pid_of(opt)
-    scaler = {SCALER_PREFIX + k: torch.tensor(float(v)) for k, v in opt.scaler.state_dict().items()} \
+    scaler = {SCALER_PREFIX + k: torch.tensor(float(v)) for k, v in opt.guard.scaler.state_dict().items()} \
         if opt.config.uses_loss_scaling else {}
     state: dict = {}
-    for group, agreed in zip(opt.shards, _agreed_states(opt)):
+    for group, agreed in zip(opt.stepper.shards, _agreed_states(opt)):
         keys = [(k, getattr(torch, d)) for k, d in sorted(agreed.dtypes.items())] + \
                [(k, torch.float32) for k in _master_key(opt)]
         for shard in group:
@@ -226,7 +239,7 @@ def _plan_load(opt, sd: dict, rows: RowSharding) -> _Plan:
     _, pid_of_name = _pid_of(opt)
     entries = {pid_of_name.get(k, k) if isinstance(k, str) else k: v for k, v in sd["state"].items()}
     plan = _Plan([], [], [], {})
-    for group, agreed in zip(opt.shards, _agreed_states(opt)):
+    for group, agreed in zip(opt.stepper.shards, _agreed_states(opt)):
         scalar_keys = {k for scalars in agreed.params.values() for k in scalars}
         keys = [(k, getattr(torch, d)) for k, d in sorted(agreed.dtypes.items())] + \
                [(k, torch.float32) for k in _master_key(opt)]
@@ -273,7 +286,7 @@ def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         problem = e
     raise_if_any_failed(opt.comm, problem, "optimizer.load_state_dict", "checkpoint")
-    had = {id(t) for shard in opt.all_shards() for t in shard.master_tensors if opt.inner.state.get(t)}
+    had = {id(t) for shard in opt.stepper.all_shards() for t in shard.master_tensors if opt.stepper.inner.state.get(t)}
     if any(_has_states(entry) for entry in sd["state"].values()):
         opt.materialize_state()  # the tensors the dict fills, as the first step creates them
     plan = None
@@ -284,27 +297,15 @@ def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
     try:
         raise_if_any_failed(opt.comm, problem, "optimizer.load_state_dict", "checkpoint")
     except Exception:
-        _drop_states(opt, [t for shard in opt.all_shards() for t in shard.master_tensors if id(t) not in had])
+        opt.stepper.drop_states([t for shard in opt.stepper.all_shards() for t in shard.master_tensors if id(t) not in had])
         raise
     _apply(opt, sd, plan, rows)
 
 
-def _drop_states(opt, masters: list) -> None:
-    """These master tensors have no states any more (as before their first step)."""
-    if not masters:
-        return
-    if len(masters) == sum(len(shard.master_tensors) for shard in opt.all_shards()):
-        opt.clear_state()
-        return
-    for t in masters:
-        opt.inner.state.pop(t, None)
-    opt.homes.forget()  # the step that creates them again moves them into their buffers again
-
-
 def _apply(opt, sd: dict, plan: _Plan, rows: RowSharding) -> None:
     _restore_hyperparameters(opt, sd["param_groups"])
-    _drop_states(opt, plan.dropped)
-    state = opt.inner.state
+    opt.stepper.drop_states(plan.dropped)
+    state = opt.stepper.inner.state
     for shard, key, dtype, found in plan.writes:
         _write_values(rows, shard, _piece_tensors(opt, shard, key), found, dtype, opt.comm.device)
         if key == MASTER:
@@ -316,7 +317,7 @@ def _apply(opt, sd: dict, plan: _Plan, rows: RowSharding) -> None:
             else:
                 state[t][k] = v
     if plan.scaler and opt.config.uses_loss_scaling:
-        opt.scaler.load_state_dict(plan.scaler)
+        opt.guard.scaler.load_state_dict(plan.scaler)
     opt.sync_params_from_master("checkpoint")
 
 
