@@ -242,7 +242,8 @@ def world_one_last(rank, world_size, root):
 
 # -- bitwise resume at the same world size and stage -----------------------------------------
 def bitwise_resume(root, stage, precision, rank):
-    cfg = config(stage, mixed_precision=precision, initial_loss_scale=1024.0, loss_scale_growth_interval=2)
+    cfg = config(stage, mixed_precision=precision,
+                 **({"initial_loss_scale": 1024.0, "loss_scale_growth_interval": 2} if precision == "fp16" else {}))
     path = os.path.join(root, f"bitwise_s{stage}_{precision}")
 
     def fresh(seed):

@@ -173,7 +173,7 @@ def trainer_world(rank: int, world_size: int, root: str) -> dict:
     out = {"ddp": {p: run(os.path.join(root, f"ddp-{p}"), precision=p, evaluate=p == "fp32")
                    for p in ("fp32", "bf16")}}
     for stage, each, precision in GRID:
-        config = zerodp.Config(stage=stage, reduce_each_micro_batch=each)
+        config = zerodp.Config(stage=stage, reduce_each_micro_batch=each or stage < 2)  # stages 0-1 reduce once anyway
         out[(stage, each, precision)] = run(os.path.join(root, f"z{stage}-{each}-{precision}"), config, precision)
     out["short"] = {"ddp": run(os.path.join(root, "short-ddp"), samples=SHORT_WINDOW_SAMPLES),
                     "zerodp": run(os.path.join(root, "short-z3"), zerodp.Config(stage=3, reduce_each_micro_batch=False),

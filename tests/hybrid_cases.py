@@ -24,7 +24,8 @@ def hybrid_world(rank: int, world_size: int, root: str) -> dict:
     out: dict = {}
     for stage in (1, 2, 3):
         for name, opt_fn in OPTIMIZERS.items():
-            cfg = zerodp.Config(stage=stage, replicate_size=2, bucket_bytes=SMALL_BUCKET, unit_min_params=10)
+            cfg = zerodp.Config(stage=stage, replicate_size=2, bucket_bytes=SMALL_BUCKET,
+                                **({"unit_min_params": 10} if stage == 3 else {}))
             ref, ref_losses, _ = train_reference(Net, opt_fn, torch.float32, rank)
             model, opt, losses, _, volumes = train_zerodp(Net, opt_fn, cfg, rank)
             with zerodp.gathered_parameters(model):
@@ -46,7 +47,7 @@ def hybrid_world(rank: int, world_size: int, root: str) -> dict:
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         for stage in (2, 3):
             cfg = zerodp.Config(stage=stage, replicate_size=2, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                                unit_min_params=10)
+                                **({"unit_min_params": 10} if stage == 3 else {}))
             ref, ref_losses, _ = train_reference(Net, OPTIMIZERS["adamw"], dtype, rank)
             model, opt, losses, _, _ = train_zerodp(Net, OPTIMIZERS["adamw"], cfg, rank)
             with zerodp.gathered_parameters(model):

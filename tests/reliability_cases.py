@@ -48,8 +48,8 @@ def build(stage: int, accumulation: int = 1, model: nn.Module = None):
     dist.barrier()
     forget_meshes()
     torch.manual_seed(0)
-    cfg = zerodp.Config(stage=stage, collective_timeout_s=TIMEOUT_S, unit_modules=(nn.Linear,), bucket_bytes=1024,
-                        grad_accumulation_steps=accumulation)
+    cfg = zerodp.Config(stage=stage, collective_timeout_s=TIMEOUT_S, unit_modules=(nn.Linear,) if stage == 3 else (),
+                        bucket_bytes=1024, grad_accumulation_steps=accumulation)
     return zerodp.initialize(Blocks() if model is None else model, torch.optim.SGD, cfg, lr=0.1)
 
 

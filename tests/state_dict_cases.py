@@ -247,7 +247,8 @@ def odd_run(stage, precision, steps, model=None, opt=None, first=0, seed=0):
     if model is None:
         torch.manual_seed(seed)
         # fp16: the scale grows every 2 clean steps, so a lost scaler state would show.
-        cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_min_params=1, loss_scale_growth_interval=2)
+        cfg = zerodp.Config(stage=stage, mixed_precision=precision, **({"unit_min_params": 1} if stage == 3 else {}),
+                            **({"loss_scale_growth_interval": 2} if precision == "fp16" else {}))
         model, opt = zerodp.initialize(Odd(), odd_groups, cfg)
     losses = []
     for step in range(first, first + steps):

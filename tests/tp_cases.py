@@ -86,7 +86,8 @@ def train(kind: str, opt_name: str, dp: int, tp: int, stage: int, rank: int, ree
     # Every rank starts from weights of its own: training starts from rank 0's, as with DDP.
     model = build(kind, reentrant, seed=rank)
     cls, kwargs = make_optimizer(opt_name)
-    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, unit_min_params=1000, **fields)
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, **({"unit_min_params": 1000} if stage == 3 else {}),
+                        **fields)
     model, opt = zerodp.initialize(model, cls, cfg, **kwargs)
     dp_rank = rank // tp
     losses, ledger = [], None

@@ -81,7 +81,8 @@ def gpt_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def gpt_zero(rank: int, stage: int, **fields):
-    cfg = zerodp.Config(stage=stage, tensor_parallel_size=TP, unit_min_params=1000, **fields)
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=TP, **({"unit_min_params": 1000} if stage == 3 else {}),
+                        **fields)
     return zerodp.initialize(gpt(seed=rank), torch.optim.SGD, cfg, lr=LR)
 
 
@@ -132,7 +133,8 @@ def nonfinite_run(rank: int, stage: int, how: str, clip, precision: str = "fp32"
     put a nan / inf in one element of that rank's slice of a split weight's gradient, which only
     its data-parallel peer (rank 3) sees: ranks 0 and 2 learn of it from the step agreement over
     the tp axis alone. `clip`: None, or the norm type clip_grad_norm_ runs with first."""
-    model, opt = gpt_zero(rank, stage, mixed_precision=precision, nonfinite_grads="skip")
+    model, opt = gpt_zero(rank, stage, mixed_precision=precision,  # fp16's loss scaler skips on its own
+                          **({} if precision == "fp16" else {"nonfinite_grads": "skip"}))
     before = local_params(model)
     scale = opt.scaler.scale
     loss = gpt_loss(model, gpt_batch(0, opt.comm.rank))

@@ -108,7 +108,8 @@ def training(rank: int, world_size: int) -> dict:
     ref = {name: train_reference(Net, fn, torch.float32, rank) for name, fn in OPTIMIZERS.items()}
     for variant, fields in VARIANTS.items():
         for name, fn in OPTIMIZERS.items():
-            cfg = zerodp.Config(**UNITS, quantize_block_size=BLOCK, **fields)
+            quantized = "quantize_weights" in fields or "quantize_grads" in fields
+            cfg = zerodp.Config(**UNITS, **({"quantize_block_size": BLOCK} if quantized else {}), **fields)
             model, opt, losses, _, volumes = train_zerodp(Net, fn, cfg, rank)
             with zerodp.gathered_parameters(model):
                 params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -6,7 +6,6 @@ optimizer steps it (optim/), and every collective goes through the comm (distrib
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from typing import Any, Optional, Union
@@ -16,8 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import Config, ConfigError
+from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
-from .distributed.topology import ranks_per_node
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
 from .memory.diskmem import OffloadDir
 from .optim import ZeroOptimizer
@@ -64,28 +63,14 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
     return inner, grouped_params(inner, named), describe(model, inner, config)
 
 
-def _resolve_nodes(config: Config, process_group) -> Config:
-    """Config.replicate_size="nodes" as a number: one row of the mesh per torchrun node."""
+def _world_facts(model: nn.Module, process_group, on_meta: bool) -> WorldFacts:
+    """What `check_world` needs to know of this process's world, the same on every rank."""
     distributed = dist.is_available() and dist.is_initialized()
-    if config.tensor_parallel_size > 1 and process_group is not None and process_group != dist.group.WORLD:
-        raise ConfigError(f"Config.tensor_parallel_size={config.tensor_parallel_size} splits every process into "
-                          f"data- and tensor-parallel groups itself: pass no process_group")
-    if distributed and dist.get_world_size() > 1 and (config.hpz or config.quantize_grads is not None):
-        local = ranks_per_node("Config.hpz / quantize_grads")  # raises here, before any collective
-        if dist.get_world_size() % local or (process_group is not None and process_group != dist.group.WORLD):
-            raise ConfigError(f"Config.hpz / quantize_grads split the ranks by node: {dist.get_world_size()} "
-                              f"ranks are not whole nodes of {local}, or a process_group of your own was given")
-    if config.replicate_size != "nodes":
-        return config
-    if not distributed:
-        return dataclasses.replace(config, replicate_size=1)
-    if process_group is not None and process_group != dist.group.WORLD:
-        raise ConfigError("Config.replicate_size='nodes' needs the default process group (torchrun's ranks); "
-                          "with a process_group of your own, give the number of rows")
-    local, world = ranks_per_node(), dist.get_world_size()
-    if world % local:
-        raise ConfigError(f"Config.replicate_size='nodes': {world} ranks are not whole nodes of {local}")
-    return dataclasses.replace(config, replicate_size=world // local)
+    first = next((p for p in model.parameters() if p.requires_grad), None)
+    device = default_device() if first is None or first.device.type == "meta" else first.device
+    return WorldFacts.from_environ(world_size=dist.get_world_size(process_group) if distributed else 1,
+                                   default_group=process_group is None or process_group == dist.group.WORLD,
+                                   device_type=device.type, model_on_meta=on_meta)
 
 
 def _param_files(config: Config, comm: Comm) -> Optional[OffloadDir]:
@@ -124,11 +109,14 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         raise TypeError(f"config must be a zerodp.Config or a dict, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if config.tensor_parallel_size > 1 and has_meta(model):
-        raise ConfigError(f"Config.tensor_parallel_size={config.tensor_parallel_size}: the model is on the meta "
-                          f"device (built under zerodp.init); tensor parallelism splits real weights: build the "
-                          f"model normally, or without zerodp.init")
-    if config.stage < 3 and has_meta(model):  # built under zerodp.init: materialise it whole
+    # What this world cannot run (config_world.py), raised on every rank through the ranks'
+    # agreement below; it also resolves replicate_size="nodes", which the agreement compares.
+    on_meta, world_problem = has_meta(model), None
+    try:
+        config = check_world(config, _world_facts(model, process_group, on_meta))
+    except Exception as e:  # noqa: BLE001  (re-raised on every rank by check_ranks_agree)
+        world_problem = e
+    if world_problem is None and config.stage < 3 and on_meta:  # built under zerodp.init: materialise it whole
         materialize(model, default_device(), on_param=lambda old, new: None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device if named else default_device()
@@ -141,9 +129,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         comm = Comm(topology=Topology.build(process_group, comm_device, timeout_s=config.collective_timeout_s))
     except Exception as e:  # noqa: BLE001  (zerodp's own group failed: the error goes over the plain one)
         comm, problem = Comm(process_group, device=comm_device), e
+    problem = problem or world_problem
     if problem is None:
         try:
-            config = _resolve_nodes(config, process_group)  # compared by the agreement below
             inner, group_indices, described = _build_and_describe(model, optimizer, config, named, optimizer_kwargs)
         except Exception as e:  # noqa: BLE001  (re-raised on this rank by check_ranks_agree)
             problem = e

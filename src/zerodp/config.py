@@ -10,11 +10,11 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
-__all__ = ["Config", "ConfigError", "DTYPES"]
+__all__ = ["Config", "ConfigError", "DTYPES", "torchrun_ranks_per_node"]
 
 # Names accepted for a dtype, and the torch dtype each one means.
 DTYPES: dict[str, torch.dtype] = {
@@ -265,6 +265,46 @@ class Config:
         if not isinstance(units, (list, tuple)) or not all(isinstance(u, (str, type)) for u in units):
             raise _bad("unit_modules", self.unit_modules, "use a list of nn.Module classes or class names")
         object.__setattr__(self, "unit_modules", tuple(units))
+        self._check_takes_effect()
+
+    def _check_takes_effect(self) -> None:
+        """[Note: no silent setting]
+        A field set away from its default where the other fields leave it nothing to do is
+        refused, naming what it needs: a setting accepted and then ignored reads as one in
+        force. Defaults are never refused, so a saved `to_dict()` (every field, most at their
+        defaults) loads again; a checkpoint reads only `mixed_precision` from its own."""
+        for name, why, fix in self._without_effect():
+            raise _bad(name, getattr(self, name), f"{why}, so it would have no effect: {fix}, or leave it at "
+                                                  f"{_DEFAULTS[name]!r}")
+
+    def _without_effect(self):
+        """(field, why, fix) for each field away from its default that nothing reads."""
+        for name in (f for f, default in _DEFAULTS.items() if getattr(self, f) != default):
+            if name in ("unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units") \
+                    and self.stage != 3:
+                yield name, f"only stage 3 gathers units (stage={self.stage})", "use stage=3"
+            elif name == "unit_min_params" and self.unit_modules:
+                yield name, "it picks units only when unit_modules is empty", "drop unit_modules"
+            elif name in ("loss_scale", "initial_loss_scale", "loss_scale_growth_interval") \
+                    and self.mixed_precision != "fp16":
+                yield name, f"only fp16 scales the loss (mixed_precision={self.mixed_precision!r})", \
+                    'use mixed_precision="fp16"'
+            elif name in ("initial_loss_scale", "loss_scale_growth_interval") and self.loss_scale != "dynamic":
+                yield name, f"only dynamic scaling changes the scale (loss_scale={self.loss_scale!r})", \
+                    'use loss_scale="dynamic"'
+            elif name == "nonfinite_grads" and self.mixed_precision == "fp16":
+                yield name, "under fp16 the loss scaler skips every step with a nan/inf gradient and backs off", \
+                    'use mixed_precision="bf16" or "fp32"'
+            elif name == "reduce_each_micro_batch" and self.stage < 2:
+                yield name, f"stages 0-1 always reduce once, at the accumulation boundary (stage={self.stage})", \
+                    "use stage=2 or 3"
+            elif name == "quantize_block_size" and not (self.quantize_weights or self.quantize_grads):
+                yield name, "only qwZ and qgZ quantize in blocks", "set quantize_weights or quantize_grads"
+            elif name == "offload_dir" and "disk" not in (self.offload_optimizer, self.offload_params):
+                yield name, "only disk offload writes files", "set offload_optimizer or offload_params to 'disk'"
+            elif name == "debug" and self.stage != 3 and self.tensor_parallel_size == 1:
+                yield name, f"it checks stage 3's gathers and tensor parallelism's gradients, and neither runs " \
+                            f"(stage={self.stage}, tensor_parallel_size=1)", "use stage=3 or tensor_parallel_size > 1"
 
     def _check_delayed_update(self) -> None:
         after = self.delayed_update_after
@@ -293,9 +333,8 @@ class Config:
         for name, off in (("replicate_size", 1), ("hpz", False), ("quantize_weights", False),
                           ("quantize_grads", None), ("offload_optimizer", "none")):
             if getattr(self, name) != off:
-                raise _bad(name, getattr(self, name), f"is not supported with tensor_parallel_size="
-                                                      f"{self.tensor_parallel_size} yet: use {off!r}, or "
-                                                      f"tensor_parallel_size=1")
+                raise _bad(name, getattr(self, name), f"tensor_parallel_size={self.tensor_parallel_size} does "
+                                                      f"not support it yet: use {off!r}, or tensor_parallel_size=1")
 
     def _check_zeropp(self) -> None:
         if self.quantize_grads is not None and self.quantize_grads not in QUANTIZED_BITS:
@@ -364,6 +403,10 @@ class Config:
         return out
 
 
+# Every field's default: what _check_takes_effect never refuses.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -378,3 +421,21 @@ def _positive_finite(name: str, value: Any, fix: str, at_most: float = math.inf)
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise _bad(name, value, "use a positive integer")
+
+
+def torchrun_ranks_per_node(local_world_size: Optional[int], rank: Optional[int], node_rank: Optional[int],
+                            needed_by: str) -> int:
+    """Ranks on each node, as torchrun says: its LOCAL_WORLD_SIZE, checked against RANK and
+    GROUP_RANK (`node_rank`; None where a variable is not set), since a row of the mesh is
+    ranks numbered one after another and torchrun numbers them node by node. Raises
+    ConfigError naming `needed_by` and the fix."""
+    said = {"LOCAL_WORLD_SIZE": local_world_size, "RANK": rank, "GROUP_RANK": node_rank}
+    missing = [k for k, v in said.items() if v is None]
+    if missing:
+        raise ConfigError(f"{needed_by} takes the nodes from torchrun, but {', '.join(missing)} is not set: "
+                          f"launch with torchrun (or zerodp launch)"
+                          + (", or set replicate_size to the number of nodes" if "replicate" in needed_by else ""))
+    if local_world_size < 1 or rank // local_world_size != node_rank:
+        raise ConfigError(f"{needed_by}: rank {rank} is on node {node_rank} with {local_world_size} ranks per node, "
+                          f"so the ranks are not numbered node by node, as torchrun numbers them")
+    return local_world_size

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import ConfigError
+from ..config import ConfigError, torchrun_ranks_per_node
 
 __all__ = ["AXES", "Topology"]
 
@@ -214,16 +214,8 @@ def ranks_per_node(needed_by: str = "Config.replicate_size='nodes'") -> int:
     """Ranks on each node, as torchrun says: LOCAL_WORLD_SIZE, checked against RANK and
     GROUP_RANK (this node's rank), since a row of the mesh is ranks numbered one after
     another and torchrun numbers them node by node."""
-    missing = [k for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK") if k not in os.environ]
-    if missing:
-        raise ConfigError(f"{needed_by} takes the nodes from torchrun, but {', '.join(missing)} is not set: "
-                          f"launch with torchrun (or zerodp launch)"
-                          + (", or set replicate_size to the number of nodes" if "replicate" in needed_by else ""))
-    local, rank, node = (int(os.environ[k]) for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK"))
-    if local < 1 or rank // local != node:
-        raise ConfigError(f"{needed_by}: rank {rank} is on node {node} with {local} ranks per node, so the ranks "
-                          f"are not numbered node by node, as torchrun numbers them")
-    return local
+    said = (int(os.environ[k]) if k in os.environ else None for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK"))
+    return torchrun_ranks_per_node(*said, needed_by)
 
 
 def _known_ranks_per_node() -> Optional[int]:

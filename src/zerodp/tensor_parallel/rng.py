@@ -42,8 +42,6 @@ from typing import Optional
 
 import torch
 
-from ..config import ConfigError
-
 __all__ = ["SplitRegionRNG"]
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads tensor-parallel ranks over the seeds' low bits
@@ -55,9 +53,6 @@ class SplitRegionRNG:
     streams]): `open` at a column-parallel layer, `close` at a row-parallel one."""
 
     def __init__(self, device: torch.device, tp_rank: int):
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"Config.tensor_parallel_size > 1 on a {device.type} device: tensor parallelism's "
-                              f"dropout streams are built for cpu and cuda devices")
         self.device, self.tp_rank = device, tp_rank
         self._seed: Optional[int] = None  # the split stream's seed while a region is open
         self._replicated: Optional[torch.Tensor] = None  # the replicated stream's state to go back to
