@@ -1,6 +1,6 @@
 """What the stage 0-2 reducer and the stage-3 engine share: the accumulation boundary, the
-end-of-backward callback, the order reductions are launched in, and starting over after a
-backward that raised.
+end-of-backward callback, the queue of reductions and the order they are launched in, and
+starting over after a backward that raised.
 
 [Note: end of backward]
 Reductions still waiting when autograd finishes (unused parameters, the last bucket) are
@@ -66,15 +66,15 @@ the gradient: in-place arithmetic on it fails (e.g. torch.nn.utils.clip_grad_nor
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from typing import Callable, Optional
+from collections import deque
+from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import Comm
+from .presence import GradPresence
 
 # Reductions allowed to be in flight at once before the oldest is waited for: a finished
 # one gives its buffer back to the pool, so the pool stays a few buckets or units large
@@ -100,140 +100,85 @@ def output_tensors(output, depth: int = 3) -> list[torch.Tensor]:
     return found
 
 
-def _handle(param: nn.Parameter, shared: dict) -> torch.Tensor:
-    """A zero tensor of `param`'s shape whose elements all alias one element of `shared`'s
-    storage for its dtype and device ([Note: gradient clearing]): no memory of its own, and
-    a version counter of its own, so that zeroing it in place is seen."""
-    key = (param.dtype, param.device)
-    if key not in shared:
-        shared[key] = torch.zeros(1, dtype=param.dtype, device=param.device).untyped_storage()
-    return torch.empty(0, dtype=param.dtype, device=param.device).set_(shared[key], 0, param.shape,
-                                                                        [0] * param.dim())
+class _Reduction(NamedTuple):
+    """A launched reduction: its item, the collective's handle (None when it ran
+    synchronously), and whether the reduced chunk is added to a gradient the item keeps."""
+    item: object
+    work: object
+    accumulate: bool
 
 
-def clear_by_owner(owner: dict, indices: list[int]) -> None:
-    """Clear the gradients of the tracked parameters `indices`, one call per storage that holds
-    them (`owner[k]` is the (flat group or unit, local index) of parameter k)."""
-    by_storage: dict = {}
-    for k in indices:
-        storage, i = owner[k]
-        by_storage.setdefault(id(storage), (storage, []))[1].append(i)
-    for storage, local in by_storage.values():
-        storage.clear_grads(local)
+class ReduceQueue:
+    """A schedule's gradient reductions, launched strictly in `order`, the same on every rank,
+    so that every rank issues the same collectives even when autograd finishes them in
+    another order: first a guess, then the order they became ready in the first reducing
+    backward (rank 0's, `BackwardSchedule.adopt_recorded_order`).
 
+    An item is a storage that owns its collectives: a bucket of a flat param group at
+    stages 0-2 (sharding/bucket.py), a unit at stage 3 (sharding/flat_unit.py). Each offers
+    `ready_to_reduce` (its gradients are all in), `accumulates` (its reduced chunk is added
+    to a gradient it keeps), `launch_reduce(accumulate, async_op) -> work`,
+    `reduced_chunk(accumulate)` (where the rank's chunk is before `finish_reduce`),
+    `finish_reduce(accumulate)` (land the chunk, free the buffer), `scattered` (its
+    reduction is a reduce-scatter over the shard axis), `label` (the ledger's) and
+    `storage_part` (what `on_final_grads` is told)."""
 
-class GradPresence:
-    """Which trainable parameters have a gradient, as DDP's `p.grad is not None` says, and
-    what the loop did to `.grad` since the engine last set it ([Note: gradient clearing])."""
+    def __init__(self, schedule: "BackwardSchedule", items: list, order: list[int], async_op: bool):
+        self.schedule, self.items, self.async_op = schedule, items, async_op
+        self.order = order  # indices of `items`, in launch order
+        self._next = 0  # position in `order` of the next launch in this backward
+        self._in_flight: deque = deque()
 
-    def __init__(self, comm: Comm, params: list[nn.Parameter], clear: Callable[[list[int]], None],
-                 views: Optional[list[torch.Tensor]] = None):
-        self.comm, self.params = comm, params
-        self.views = views  # stages 0-1: each parameter's view of the flat gradient; else handles
-        self._clear = clear  # zero what the engine holds of these parameters' gradients
-        self.index = {id(p): k for k, p in enumerate(params)}
-        self.present = [False] * len(params)  # as DDP before the first backward
-        self._left: list = [None] * len(params)  # weak references to what the engine left in .grad
-        self._versions = [0] * len(params)
-        self._handles = [False] * len(params)  # what it left is a handle
-        self._stripped: list = []  # (index, handle) taken out of the way of the pass in progress
-        self.absent_seen = False  # a parameter without a gradient began this window
-        self.remember()
+    def launch_ready(self, flush: bool = False) -> None:
+        """In a backward that reduces: launch items in order up to the first that is not
+        ready; with `flush` (the end of backward: unused parameters), all that are left."""
+        if not self.schedule.reduces_now:
+            return
+        while self._next < len(self.order):
+            item = self.items[self.order[self._next]]
+            if not (flush or item.ready_to_reduce):
+                return
+            self._launch(item)
+            self._next += 1
 
-    def has_grad(self, param: nn.Parameter) -> bool:
-        return self.present[self.index[id(param)]]
+    def _launch(self, item) -> None:
+        accumulate = item.accumulates
+        self._in_flight.append(_Reduction(item, item.launch_reduce(accumulate, self.async_op), accumulate))
+        # Bound the reductions in flight: a finished one gives its buffer back to the pool at
+        # once, and at most MAX_IN_FLIGHT wait behind the wire (CB).
+        while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0].work is None
+                                   or self._in_flight[0].work.is_completed()):
+            self._finish(self._in_flight.popleft())
 
-    def any_grad(self) -> bool:
-        return any(self.present)
+    def _finish(self, done: _Reduction, failed: bool = False) -> None:
+        """Wait for one reduction and land it. After a `failed` backward, no new collective
+        (the other ranks may not be reducing) and no announcement."""
+        if done.work is not None:
+            done.work.wait()
+        item, comm = done.item, self.schedule.comm
+        if not failed and item.scattered and comm.topology.replicate_size > 1:
+            # Hybrid sharding ([Note: mesh axes]): the reduce-scatter summed within a replica
+            # row; the owned chunk is then summed over the rows (each holds other data).
+            comm.all_reduce(item.reduced_chunk(done.accumulate), "backward", axis="replicate", label=item.label)
+        item.finish_reduce(done.accumulate)
+        if not failed and self.schedule.at_boundary and self.schedule.on_final_grads is not None:
+            self.schedule.on_final_grads(*item.storage_part)  # [Note: gradient streaming] in optim/streaming.py
 
-    def remember(self) -> None:
-        """Whatever each `.grad` holds now is the engine's doing."""
-        for k, p in enumerate(self.params):
-            g = p.grad
-            self._left[k] = weakref.ref(g) if g is not None else None
-            self._versions[k] = g._version if g is not None else 0
+    def flush(self) -> None:
+        """End of a reducing backward: launch what is left, wait for everything in flight."""
+        self.launch_ready(flush=True)
+        self.wait_all()
 
-    def observe(self, backward: bool) -> None:
-        """Take in what the loop did to each `.grad`; with `backward` (a pass begins), also
-        get `.grad` ready for autograd: the flat gradient's view at stages 0-1, no handle."""
-        cleared, zeroed, assigned = [], [], []
-        for k, p in enumerate(self.params):
-            g = p.grad
-            had = self._left[k] is not None  # a cleared handle is gone: its weak reference is dead
-            if g is None:
-                if had:
-                    cleared.append(k)
-                    self.present[k], self._handles[k] = False, False
-            elif had and g is self._left[k]():
-                if self._handles[k] and g._version != self._versions[k]:
-                    zeroed.append(k)
-            else:  # a tensor of the loop's own replaces the gradient
-                assigned.append((k, g))
-                self.present[k], self._handles[k] = True, False
-        if cleared or zeroed or assigned:
-            self._clear(sorted(cleared + zeroed + [k for k, _ in assigned]))
-        for k, g in assigned if self.views is not None else ():  # stages 0-1: into the flat gradient
-            self.views[k].copy_(g)
-            self.params[k].grad = self.views[k]
-        if backward:
-            self._ready_for_autograd()
-            self.absent_seen = self.absent_seen or not all(self.present)
-        self.remember()
+    def wait_all(self, failed: bool = False) -> None:
+        while self._in_flight:
+            self._finish(self._in_flight.popleft(), failed)
 
-    def _ready_for_autograd(self) -> None:
-        for k, p in enumerate(self.params):
-            if self.views is not None:
-                if p.grad is None:  # zero since it was cleared: autograd adds in place
-                    p.grad = self.views[k]
-            elif self._handles[k] and p.grad is not None:
-                self._stripped.append((k, p.grad))
-                p.grad = None
-                self._handles[k] = False
+    def adopt_recorded_order(self) -> None:
+        self.order = self.schedule.adopt_recorded_order(self.order)
 
-    def restore(self) -> None:
-        """A pass that reached no parameter ended: the handles it took away are put back."""
-        for k, handle in self._stripped:
-            if self.params[k].grad is None:
-                self.params[k].grad = handle
-                self._handles[k] = True
-        self._stripped.clear()
-        self.remember()
-
-    def note_used(self, param_ids) -> None:
-        for i in param_ids:
-            k = self.index.get(i)
-            if k is not None:
-                self.present[k] = True
-
-    def settle(self) -> None:
-        """A step's gradients are final: every rank agrees which parameters have one (a
-        parameter that a backward reached on any rank), and `.grad` shows it."""
-        if self.absent_seen and self.comm.world_size > 1:
-            t = torch.tensor(self.present, dtype=torch.uint8, device=self.comm.device)
-            self.comm.all_reduce(t, "control", op=dist.ReduceOp.MAX, label="parameters with a gradient")
-            self.present = [bool(v) for v in t.tolist()]
-        self.absent_seen = False
-        self.publish(views_always=False)
-
-    def reset(self, set_to_none: bool) -> None:
-        """optimizer.zero_grad(set_to_none): no gradient, or a zero one, everywhere. With
-        set_to_none `.grad` is None, as DDP's (torch DCP's state probe relies on it); the next
-        backward hands autograd the flat gradient's view again (stages 0-1)."""
-        self.present = [not set_to_none] * len(self.params)
-        self.absent_seen = False
-        self._stripped.clear()
-        self.publish(views_always=False)
-
-    def publish(self, views_always: bool) -> None:
-        shared: dict = {}
-        for k, p in enumerate(self.params):
-            if self.views is not None:
-                p.grad = self.views[k] if self.present[k] or views_always else None
-            else:
-                p.grad = _handle(p, shared) if self.present[k] else None
-                self._handles[k] = self.present[k]
-        self._stripped.clear()
-        self.remember()
+    def rewind(self) -> None:
+        """A new backward launches from the start of `order`."""
+        self._next = 0
 
 
 class BackwardSchedule:

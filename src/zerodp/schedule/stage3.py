@@ -12,10 +12,12 @@ When every trainable parameter of a unit has its gradient accumulated
 (`register_post_accumulate_grad_hook`), the gradients move into a flat buffer, the
 parameters are freed, and the buffer is reduce-scattered into the unit's gradient shard
 (every micro-batch, or only at the accumulation boundary with reduce_each_micro_batch=False).
-Reduce-scatters are launched strictly in one order so that every rank issues the same
-collectives even when autograd finishes units in another order: on the first backward
-the reverse of the first forward's order, then the order units were done in it (rank
-0's). Units that were not used (or only partly) are flushed by the end-of-backward
+A unit's place in the step is its `TrainingState` (IDLE, FORWARD, PRE_BACKWARD,
+POST_BACKWARD), moved by these hooks. Reduce-scatters go through the schedule's
+`ReduceQueue` (schedule/base.py), launched strictly in one order so that every rank issues
+the same collectives even when autograd finishes units in another order: on the first
+backward the reverse of the first forward's order, then the order units were done in it
+(rank 0's). Units that were not used (or only partly) are flushed by the end-of-backward
 callback ([Note: end of backward] in schedule/base.py), with zero gradients for what was not
 used. A unit's reduction overwrites its gradient shard only when that holds nothing to keep
 (`FlatUnit.grad_fresh`): otherwise it adds, within a window and across steps whose
@@ -35,8 +37,9 @@ from ..config import Config
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.pool import BufferPool
-from ..sharding.flat_unit import FlatUnit, UnitState
-from .base import MAX_IN_FLIGHT, BackwardSchedule, clear_by_owner, inside_backward, output_tensors
+from ..sharding.flat_unit import FlatUnit, TrainingState, UnitState
+from .base import BackwardSchedule, ReduceQueue, inside_backward, output_tensors
+from .presence import clear_by_owner
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +66,13 @@ class Stage3Engine(BackwardSchedule):
         self.root = len(units) - 1
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
-        self._recording = True
-        self._pending = [0] * len(units)
-        self._ready: set = set()
-        self._in_backward: set = set()
-        self._used: set = set()
+        self._recording = True  # the first step: the orders above are recorded, nothing prefetched
+        self._pending = [0] * len(units)  # per unit: parameters whose gradient is not in yet
         self._live: set = set()  # units gathered since they were last seen freed
-        self._works: list = []
-        self._next_reduce = 0
         # Reduce order: children finish backward before the units registered before them,
         # until the first reducing backward has shown the real order (`adopt_recorded_order`).
-        self.reduce_order = list(reversed(range(self.root))) + [self.root]
+        self.queue = ReduceQueue(self, units, list(reversed(range(self.root))) + [self.root],
+                                 config.overlap_comm)
         self._order_guessed = False
         self.gathered_peak_nbytes = 0
         self._on_cpu = units[-1].device.type == "cpu"
@@ -81,8 +80,8 @@ class Stage3Engine(BackwardSchedule):
             unit.module.register_forward_pre_hook(self._make_pre_forward(ui))
             # always_call: the root's hook also ends a forward that raised (saved-tensor hooks).
             unit.module.register_forward_hook(self._make_post_forward(ui), always_call=True)
-            for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(ui))
+            for p, name in zip(unit.params, unit.names):
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(ui, name))
         self._guard_sharded_use(units[-1].module)
         self._owner = [(u, i) for u in units for i in range(len(u.params))]
         self.track([p for u in units for p in u.params], self._clear_grads)
@@ -117,9 +116,9 @@ class Stage3Engine(BackwardSchedule):
     # -- helpers -----------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
         self._pending = [len(u.params) for u in self.units]
-        self._ready.clear()
-        self._in_backward.clear()
-        self._next_reduce = 0
+        for unit in self.units:
+            unit.training_state = TrainingState.IDLE
+        self.queue.rewind()
 
     def _check_same_unit(self, event: str) -> None:
         """Debug mode: every rank must be at the same gather; name the ranks that are not."""
@@ -161,9 +160,12 @@ class Stage3Engine(BackwardSchedule):
     def _make_pre_forward(self, ui: int):
         def hook(module, args):
             in_backward = inside_backward()
+            unit = self.units[ui]
             if ui == self.root and not in_backward:
                 self.check_no_open_backward()
-                self._used.clear()
+                for u in self.units:  # a new forward: none of them ran in it yet
+                    if u.training_state is TrainingState.FORWARD:
+                        u.training_state = TrainingState.IDLE
                 # A unit inside torch.utils.checkpoint(use_reentrant=True) runs under no_grad
                 # but is recomputed in backward: hpZ keeps its node piece whenever the model's
                 # forward trains.
@@ -176,8 +178,9 @@ class Stage3Engine(BackwardSchedule):
                 self._hooks_owner, self._forward_trains = ui, True
             phase = "backward" if in_backward else "forward"
             self._gather(ui, phase, async_op=False)
-            self.units[ui].wait()
-            self._used.add(ui)
+            unit.wait()
+            if not in_backward and unit.training_state is TrainingState.IDLE:
+                unit.training_state = TrainingState.FORWARD
             if not in_backward and torch.is_grad_enabled():
                 if self._recording and ui not in self.forward_order:
                     self.forward_order.append(ui)
@@ -202,8 +205,8 @@ class Stage3Engine(BackwardSchedule):
                 self.units[ui].reshard(keep_secondary=self._forward_trains)  # hpZ: a node piece for backward
             if ui == self.root:
                 # Prefetched units that this forward did not run are freed.
-                for uj, unit in enumerate(self.units):
-                    if uj not in self._used and unit.state is not UnitState.SHARDED:
+                for unit in self.units:
+                    if unit.training_state is TrainingState.IDLE and unit.state is not UnitState.SHARDED:
                         unit.reshard()
                     elif not training:
                         unit.reshard()
@@ -240,85 +243,53 @@ class Stage3Engine(BackwardSchedule):
 
     # -- backward ----------------------------------------------------------------------------
     def _make_pre_backward(self, ui: int):
+        unit = self.units[ui]
+
         def hook(grad):
-            if ui in self._in_backward:
-                return None
+            if unit.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+                return None  # another of its outputs began its backward already
             self.begin_backward()
-            self._in_backward.add(ui)
+            unit.training_state = TrainingState.PRE_BACKWARD
             if self._recording:
                 self.backward_order.append(ui)
             self._gather(ui, "backward", async_op=False)
-            self.units[ui].wait()
-            self.units[ui].attach_grad_views()
+            unit.wait()
+            unit.attach_grad_views()
             self._prefetch(self.backward_order, ui, "backward")
             return None
         return hook
 
-    def _make_grad_hook(self, ui: int):
-        names = {id(p): n for p, n in zip(self.units[ui].params, self.units[ui].names)}
+    def _make_grad_hook(self, ui: int, name: str):
+        unit = self.units[ui]
 
         def hook(param):
-            if not self.first_arrival(param, names[id(param)], ui in self._ready):
+            if not self.first_arrival(param, name, unit.training_state is TrainingState.POST_BACKWARD):
                 return
             self._pending[ui] -= 1
             if self._pending[ui] == 0:
-                self._unit_done(ui)
+                self._unit_done(unit)
                 if self.reduces_now:
                     self.record_done(ui)
-                self._launch_reductions(flush=False)
+                self.queue.launch_ready()
         return hook
 
-    def _unit_done(self, ui: int) -> None:
-        unit = self.units[ui]
+    def _unit_done(self, unit: FlatUnit) -> None:
+        """Every gradient of the unit is in (or the backward ended): free the parameters,
+        gather the gradients into one buffer; its reduction may launch."""
         unit.reshard()  # first, so that the gradient buffer can reuse the parameters' pooled buffer
         unit.accumulate_grads()
-        self._ready.add(ui)
+        unit.training_state = TrainingState.POST_BACKWARD
         if self._on_cpu:  # the unit's activations were just freed: [Note: long-lived host buffers]
             hostmem.release_free_heap()
 
-    def _launch_reductions(self, flush: bool) -> None:
-        if not self.reduces_now:
-            return
-        while self._next_reduce < len(self.reduce_order):
-            ui = self.reduce_order[self._next_reduce]
-            if ui not in self._ready and not flush:
-                return
-            accumulate = not self.units[ui].grad_fresh  # the shard holds a gradient to keep
-            work = self.units[ui].reduce_grads(async_op=self.config.overlap_comm, accumulate=accumulate)
-            self._works.append((ui, work, accumulate))
-            self._next_reduce += 1
-            # A finished reduction gives its gradient buffer back to the pool at once; at most
-            # MAX_IN_FLIGHT wait behind the wire.
-            while self._works and (len(self._works) > MAX_IN_FLIGHT or self._works[0][1] is None
-                                   or self._works[0][1].is_completed()):
-                self._finish_reduction(*self._works.pop(0))
-
-    def _finish_reduction(self, ui: int, work, accumulate: bool, replicas: bool = True) -> None:
-        if work is not None:
-            work.wait()
-        unit = self.units[ui]
-        if replicas and not unit.empty and self.comm.topology.replicate_size > 1:
-            # Hybrid sharding ([Note: mesh axes]): summed within the row, then over the rows.
-            self.comm.all_reduce(unit.reduced_chunk(accumulate), "backward", axis="replicate",
-                                 label=f"unit {unit.name}")
-        unit.finish_reduce(accumulate)
-        if replicas and self.at_boundary and self.on_final_grads is not None:
-            self.on_final_grads(unit)  # [Note: gradient streaming]
-
-    def _wait_all(self, replicas: bool = True) -> None:
-        for ui, work, accumulate in self._works:
-            self._finish_reduction(ui, work, accumulate, replicas)
-        self._works.clear()
-
     def finish_backward(self) -> None:
-        for ui in range(len(self.units)):
-            if ui not in self._ready:
-                self._unit_done(ui)
-        self._launch_reductions(flush=True)
+        for unit in self.units:
+            if unit.training_state is not TrainingState.POST_BACKWARD:
+                self._unit_done(unit)
         if self.reduces_now:
-            self._wait_all()
+            self.queue.flush()
             self.units[-1].home.synchronize()  # offloaded gradient shards: their copies landed
-            self.reduce_order = self.adopt_recorded_order(self.reduce_order)
+            self.queue.adopt_recorded_order()
         if self.forward_order:
             self._recording = False
         self._reset_backward_state()
@@ -326,9 +297,10 @@ class Stage3Engine(BackwardSchedule):
     def abandon_backward(self) -> None:
         """A backward that gave no parameter a gradient (e.g. torch.autograd.grad with
         respect to inputs): free what it gathered, reduce nothing, count nothing."""
-        for ui in self._in_backward:
-            self.units[ui].discard_grads()
-            self.units[ui].reshard()
+        for unit in self.units:
+            if unit.training_state is TrainingState.PRE_BACKWARD:
+                unit.discard_grads()
+                unit.reshard()
         self._reset_backward_state()
 
     def _guess_reduce_order(self) -> None:
@@ -336,8 +308,8 @@ class Stage3Engine(BackwardSchedule):
         order, a better guess than reverse registration order for a model that registers
         its modules in another order than it runs them (rank 0's, as everywhere)."""
         self._order_guessed = True
-        self.reduce_order = self.agreed_order([ui for ui in reversed(self.forward_order) if ui != self.root],
-                                              self.reduce_order)
+        self.queue.order = self.agreed_order([ui for ui in reversed(self.forward_order) if ui != self.root],
+                                             self.queue.order)
 
     def _clear_grads(self, indices: list[int]) -> None:
         clear_by_owner(self._owner, indices)
@@ -352,7 +324,7 @@ class Stage3Engine(BackwardSchedule):
         """After a backward or forward that raised ([Note: failed backward] in schedule/base.py):
         wait for reductions in flight, drop unreduced gradients, free every gathered unit."""
         super().reset()
-        self._wait_all(replicas=False)  # no new collective now: the other ranks may not be reducing
+        self.queue.wait_all(failed=True)  # no new collective now: the other ranks may not be reducing
         self.units[-1].home.synchronize()  # offloaded gradient shards: before zero_grad zeroes them
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
@@ -360,7 +332,6 @@ class Stage3Engine(BackwardSchedule):
         for unit in self.units:
             unit.discard_grads()
             unit.reshard()
-        self._used.clear()
         self._reset_backward_state()
 
 

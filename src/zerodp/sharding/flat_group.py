@@ -1,6 +1,7 @@
 """Stages 0-2: one optimizer param group's parameters as views of a flat buffer, and its
-gradients ([Note: flat layout] in memory/layout.py). Where gradients live is described
-in schedule/reducer.py."""
+gradients ([Note: flat layout] in memory/layout.py). Each segment of the buffer is a bucket
+whose gradients are reduced together (sharding/bucket.py, which also says where gradients
+live); the group's all-gather is `publish`."""
 from __future__ import annotations
 
 import bisect

@@ -30,7 +30,7 @@ from ..memory.layout import FlatLayout, Piece
 from ..memory.pool import BufferPool
 from .shard_home import ShardHome
 
-__all__ = ["FlatUnit", "SecondaryPartition", "UnitGroupView", "UnitState"]
+__all__ = ["FlatUnit", "SecondaryPartition", "TrainingState", "UnitGroupView", "UnitState"]
 
 # A unit is one segment: gathered and reduced with one collective each.
 ONE_SEGMENT = 1 << 62
@@ -62,6 +62,14 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+class TrainingState(enum.Enum):
+    """Where a unit is in a training step (FSDP2's TrainingState); stage3.py's hooks move it."""
+    IDLE = "idle"
+    FORWARD = "forward"  # it ran in the model's current forward
+    PRE_BACKWARD = "pre_backward"  # its backward began: gathered again, gradients accumulating
+    POST_BACKWARD = "post_backward"  # every gradient is in: freed, its reduction may launch
+
+
 class FlatUnit:
     """One unit's sharded parameters, its gather buffer and its gradient shard."""
 
@@ -70,6 +78,8 @@ class FlatUnit:
                  sync_from_rank0: bool = True, transfer: Optional[Collectives] = None,
                  secondary: Optional[SecondaryPartition] = None, home: Optional[ShardHome] = None):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
+        self.label = f"unit {self.name}"  # the comm ledger's
+        self.storage_part = (self, None)  # [Note: gradient streaming] in optim/streaming.py
         # Sharded over the mesh's shard axis; gradients averaged over every data-parallel rank.
         # `collectives` move exact values (checkpoints, state dicts); `transfer` is what
         # training's gathers and reduce-scatters use (ZeRO++'s quantized ones, or the same).
@@ -85,12 +95,13 @@ class FlatUnit:
         # A unit may own no trainable parameter (a root whose parameters all live in units):
         # it keeps its hooks, which begin and end each pass, and never communicates.
         self.empty = not params
+        self.scattered = not self.empty  # its reduction is a reduce-scatter over the shard axis
         device = params[0].device if params else next(
             (t.device for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta),
             torch.device("cpu"))
         full_fp32 = self.layout.flatten(params, torch.float32, device)
         if sync_from_rank0 and not self.empty:  # every rank starts from rank 0's values, as DDP does
-            comm.broadcast(full_fp32, 0, "init", label=f"unit {self.name}")
+            comm.broadcast(full_fp32, 0, "init", label=self.label)
         # Born sharded, each rank initialised the unit from its own generator: a fingerprint of
         # the full values lets `check_same_initialisation` (meta_init.py) compare the ranks.
         self.init_fingerprint = None if sync_from_rank0 else _fingerprint(full_fp32)
@@ -121,6 +132,7 @@ class FlatUnit:
         for p, view in zip(self.params, self._param_shard_views()):
             p.data = view
         self.state = UnitState.SHARDED
+        self.training_state = TrainingState.IDLE
 
     # -- gather / free (see [Note: unit storage]) ----------------------------------------
     def unshard(self, phase: str, async_op: bool, exact: bool = False) -> None:
@@ -137,11 +149,11 @@ class FlatUnit:
                                                                      and phase == "backward" and self.exact)
         if self.secondary_shard is not None and phase == "backward":  # hpZ: inside the node only
             self.work = self.secondary.collectives.all_gather(self.full, self.secondary_shard, phase,
-                                                              async_op=async_op, label=f"unit {self.name}")
+                                                              async_op=async_op, label=self.label)
         else:
             strategy = self.collectives if exact else self.transfer
             self.work = strategy.all_gather(self.full, self.gather_source(), phase, async_op=async_op,
-                                            label=f"unit {self.name}")
+                                            label=self.label)
         self.state = UnitState.GATHERING
 
     def make_exact(self) -> None:
@@ -150,7 +162,7 @@ class FlatUnit:
         if self.state is UnitState.SHARDED or self.empty or self.exact:
             return
         self.wait()
-        self.collectives.all_gather(self.full, self.gather_source(), "forward", label=f"unit {self.name}")
+        self.collectives.all_gather(self.full, self.gather_source(), "forward", label=self.label)
         self.release_staged()
         self.exact = True
 
@@ -253,7 +265,16 @@ class FlatUnit:
                     part.add_(p.grad.reshape(-1))
                 p.grad = None
 
-    def reduce_grads(self, async_op: bool, accumulate: bool):
+    @property
+    def ready_to_reduce(self) -> bool:
+        return self.training_state is TrainingState.POST_BACKWARD
+
+    @property
+    def accumulates(self) -> bool:
+        """The gradient shard holds a gradient to keep: the reduction is added to it."""
+        return not self.grad_fresh
+
+    def launch_reduce(self, accumulate: bool, async_op: bool):
         """Reduce-scatter the accumulated gradients into the owned gradient shard; with
         `accumulate` (a later micro-batch), in place, to be added by `finish_reduce`."""
         if self.empty:
@@ -263,7 +284,7 @@ class FlatUnit:
         self.grad_full.div_(self.data_size)  # average, dividing first as DDP does
         out = self.reduced_chunk(accumulate)
         return self.transfer.reduce_scatter(out, self.grad_full, "backward", async_op=async_op,
-                                            label=f"unit {self.name}")
+                                            label=self.label)
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
