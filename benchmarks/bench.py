@@ -195,7 +195,7 @@ def make_setup_zerodp(stage: int, **fields):
         if "disk" in (chosen.get("offload_optimizer"), chosen.get("offload_params")):
             os.makedirs(OFFLOAD_DIR, exist_ok=True)
             chosen.setdefault("offload_dir", OFFLOAD_DIR)
-        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block], **chosen)
+        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block] if stage == 3 else [], **chosen)
         zmodel, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **adamw_kwargs())
 
         def model_state():

@@ -55,7 +55,8 @@ def setup(variant: str, model):
         import zerodp
         from zerodp.demo.models import Block
 
-        cfg = zerodp.Config(stage=int(variant[-1]), mixed_precision="fp32", unit_modules=[Block])
+        stage = int(variant[-1])
+        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block] if stage == 3 else [])
         model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **bench.adamw_kwargs())
         return (model, opt, opt.backward, lambda path: zerodp.save(path, model, opt),
                 lambda path: zerodp.load(path, model, opt))

@@ -55,7 +55,8 @@ def worker(args) -> None:
     dp, dp_rank = WORLD // tp, rank // tp
     model = build_model(args.model)
     model.gradient_checkpointing_enable()
-    cfg = zerodp.Config(stage=args.stage, tensor_parallel_size=tp, unit_modules=["Block"], **PA[pa])
+    cfg = zerodp.Config(stage=args.stage, tensor_parallel_size=tp, unit_modules=["Block"] if args.stage == 3 else [],
+                        **PA[pa])
     model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-4)
     # Every data-parallel rank takes its part of one global batch (the same for every variant).
     batches = make_batches(0, args.steps, args.global_batch, args.seq, model.config.vocab_size)

@@ -120,7 +120,8 @@ def label(stage, born):
 
 
 def make_zero(stage, precision, preset, device, born=False, **cfg_kwargs):
-    cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_modules=(Block,), **cfg_kwargs)
+    cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_modules=(Block,) if stage == 3 else (),
+                        **cfg_kwargs)
     model = build(preset, device, cfg if born else None)
     return zerodp.initialize(model, torch.optim.AdamW, cfg, lr=LR)
 
@@ -189,7 +190,7 @@ def check_param_offload(kind, args, device):
         directory = [root]
         dist.broadcast_object_list(directory, src=0)  # one directory; each rank uses rank{r}/ in it
         return check_case(3, False, "bf16", args, device, tag=f" params on {kind}", offload_optimizer="host",
-                          offload_params=kind, offload_dir=directory[0])
+                          offload_params=kind, **({"offload_dir": directory[0]} if kind == "disk" else {}))
 
 
 def check_delayed_update(args, device):

@@ -184,8 +184,10 @@ def train_ddp(case: Case, rank: int, world_size: int, track_local: bool = False,
 # -- zerodp ----------------------------------------------------------------------------------
 def config(case: Case, **extra) -> zerodp.Config:
     return zerodp.Config(stage=case.stage, mixed_precision=case.precision, bucket_bytes=BUCKET,
-                         grad_accumulation_steps=case.accumulation, reduce_each_micro_batch=case.each,
-                         offload_optimizer=case.offload, unit_modules=[nn.Linear], **extra)
+                         grad_accumulation_steps=case.accumulation,
+                         reduce_each_micro_batch=case.each or case.stage < 2,  # stages 0-1 reduce once anyway
+                         offload_optimizer=case.offload, unit_modules=[nn.Linear] if case.stage == 3 else [],
+                         **extra)
 
 
 def clear(clearing: str, model: nn.Module, opt) -> None:
@@ -376,8 +378,9 @@ def reentrant_segments(rank: int, world_size: int) -> dict:
         # Reducing once per window, as the reference does (the order of sums is DDP's).
         model, opt = zerodp.initialize(make(), sgd, zerodp.Config(stage=stage, bucket_bytes=BUCKET,
                                                                    grad_accumulation_steps=k,
-                                                                   reduce_each_micro_batch=False,
-                                                                   unit_modules=[nn.Linear]))
+                                                                   reduce_each_micro_batch=stage < 2,
+                                                                   unit_modules=[nn.Linear] if stage == 3
+                                                                   else []))
         for step in range(STEPS):
             for micro in range(k):
                 x, y = batch(step, rank, micro)

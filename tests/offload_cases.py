@@ -26,6 +26,16 @@ def _params(model) -> list[torch.Tensor]:
         return [p.detach().clone() for p in model.parameters()]
 
 
+def units_of(stage: int) -> dict:
+    """Small units at stage 3 (the Config refuses the field elsewhere)."""
+    return {"unit_min_params": 10} if stage == 3 else {}
+
+
+def disk_dir(kind: str, directory: str) -> dict:
+    """The offload directory, for a disk placement only (the Config refuses it elsewhere)."""
+    return {"offload_dir": directory} if kind == "disk" else {}
+
+
 def shared_tmp(rank: int, world_size: int) -> str:
     """A fresh directory, the same on every rank."""
     root = [tempfile.mkdtemp(prefix="zerodp-offload-") if rank == 0 else None]
@@ -70,9 +80,8 @@ def _placements(rank: int, root: str, stage: int, precision: str, name: str) -> 
     for place in places:
         kind = place.split("+")[0]
         cfg = zerodp.Config(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                            unit_min_params=10, offload_optimizer=kind,
-                            offload_params=kind if place.endswith("+params") else "none",
-                            offload_dir=os.path.join(root, f"{stage}{precision}{name}{place}"))
+                            offload_optimizer=kind, offload_params=kind if place.endswith("+params") else "none",
+                            **units_of(stage), **disk_dir(kind, os.path.join(root, f"{stage}{precision}{name}{place}")))
         if kind == "disk":
             os.makedirs(cfg.offload_dir, exist_ok=True)
         model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
@@ -114,9 +123,10 @@ def accumulation_case(rank: int, world_size: int, key, stage: int, place: str) -
         directory = os.path.join(root, f"accumulation{key}")
         os.makedirs(directory, exist_ok=True)
         params = key == "3+params"
-        cfg = zerodp.Config(stage=stage, unit_min_params=10, grad_accumulation_steps=2, offload_optimizer=place,
-                            offload_dir=directory, offload_params="disk" if params else "none",
-                            reduce_each_micro_batch=not params)
+        cfg = zerodp.Config(stage=stage, grad_accumulation_steps=2, offload_optimizer=place,
+                            offload_params="disk" if params else "none", **units_of(stage),
+                            **disk_dir(place if not params else "disk", directory),
+                            reduce_each_micro_batch=not params or stage < 2)
         model, opt, _, norms, _ = train_zerodp(Net, OPTIMIZERS["sgd"], cfg, rank, clip=0.05, micro_batches=2)
         with zerodp.gathered_parameters(model):
             return {"diff": max_rel_diff(model, ref),
@@ -193,8 +203,8 @@ def delayed_update_cases(rank: int, world_size: int) -> dict:
     for stage, name, after in ((1, "sgd", 0), (2, "adamw", 2), (3, "sgd", 1), (3, "adamw", 0)):
         fn = OPTIMIZERS[name]
         master, lagging, ref_losses = train_delayed_reference(fn, rank, after)
-        cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET, unit_min_params=10, offload_optimizer="host",
-                            delayed_update_after=after)
+        cfg = zerodp.Config(stage=stage, bucket_bytes=SMALL_BUCKET, offload_optimizer="host",
+                            delayed_update_after=after, **units_of(stage))
         model, opt, losses, _, _ = train_zerodp(Net, fn, cfg, rank)
         pending = opt.stepper.pending
         with zerodp.gathered_parameters(model):
@@ -269,9 +279,9 @@ def checkpoint_both_ways(rank: int, world_size: int) -> dict:
             directory = os.path.join(root, f"{saved}-{loaded}-{stage}-{place}")
             os.makedirs(directory, exist_ok=True)
             kind = place.split("+")[0]
-            cfg = zerodp.Config(stage=stage, mixed_precision="bf16", unit_min_params=10, offload_optimizer=kind,
+            cfg = zerodp.Config(stage=stage, mixed_precision="bf16", offload_optimizer=kind,
                                 offload_params=kind if place.endswith("+params") else "none",
-                                offload_dir=directory)
+                                **units_of(stage), **disk_dir(kind, directory))
             return zerodp.initialize(Net(), OPTIMIZERS["adamw"], cfg)
         model, opt = build(saved)
         _steps(model, opt, 2, 0, rank)

@@ -18,7 +18,6 @@ from .config import Config, ConfigError
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
-from .memory.diskmem import OffloadDir
 from .optim import ZeroOptimizer
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
 from .schedule.reducer import GradReducer
@@ -71,25 +70,6 @@ def _world_facts(model: nn.Module, process_group, on_meta: bool) -> WorldFacts:
     return WorldFacts.from_environ(world_size=dist.get_world_size(process_group) if distributed else 1,
                                    default_group=process_group is None or process_group == dist.group.WORLD,
                                    device_type=device.type, model_on_meta=on_meta)
-
-
-def _param_files(config: Config, comm: Comm) -> Optional[OffloadDir]:
-    """Config.offload_params="disk": the rank's offload directory, opened before the units
-    are built (the optimizer's states go in it too); every rank raises if any cannot."""
-    if config.offload_params != "disk":
-        return None
-    files, problem = None, None
-    try:
-        files = OffloadDir(config.offload_dir, comm.rank)
-    except Exception as e:  # noqa: BLE001 - raised on every rank below
-        problem = e
-    try:
-        raise_if_any_failed(comm, problem, "opening Config.offload_dir", "init")
-    except Exception:
-        if files is not None:
-            files.close()
-        raise
-    return files
 
 
 def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config, dict, None] = None, *,
@@ -148,16 +128,14 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     tensor_parallel = parallelize(model, comm, config)
 
     if config.stage == 3:
-        files = _param_files(config, comm)
+        sharded = shard_units(model, named, group_indices, comm, config)
         try:
-            sharded = shard_units(model, named, group_indices, comm, config, files)
             schedule = Stage3Engine(sharded.units, comm, config, sharded.pool, sharded.secondary_pool)
             opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
-                                group_indices=group_indices, stage3=schedule, files=files,
+                                group_indices=group_indices, stage3=schedule, files=sharded.placement.files,
                                 tensor_parallel=tensor_parallel)
         except BaseException:
-            if files is not None:  # the directory can be used again at once
-                files.close()
+            sharded.placement.close()  # the directory can be used again at once
             raise
         install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params,
                                  settle=opt.settle)

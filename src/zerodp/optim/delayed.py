@@ -94,8 +94,8 @@ class DelayedStepper:
         return self.stepper.placement
 
     @property
-    def homes(self):
-        return self.stepper.homes
+    def state_buffers(self):
+        return self.stepper.state_buffers
 
     @property
     def on_cpu(self) -> bool:

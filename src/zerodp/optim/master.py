@@ -1,25 +1,35 @@
-"""The fp32 master of each storage's owned pieces, and where it lives.
+"""The fp32 master of each storage's owned pieces, where its placement keeps it.
 
 [Note: master placement]
-A `MasterPlacement` decides where a shard's fp32 master (and, through the tensors the
-optimizer is handed, its per-element states) is allocated, how the reduced gradient
-reaches it, and how updated values go back to the compute parameters. "device", the only
-kind so far, keeps everything beside the parameters. Offload to host memory or disk is
-another placement: the optimizer's step, `sync_params_from_master` and the checkpoint
-code (through `ZeroOptimizer.owned_slices`) only ever go through these methods.
+The shard's `Placement` ([Note: placement] in memory/placement.py) decides where its fp32
+master (and, through the tensors the optimizer is handed, its per-element states) is
+allocated, how the reduced gradient reaches it, and how updated values go back to the
+compute parameters:
+- "device": everything beside the parameters; in fp32 the owned parameter pieces are their
+  own master (views, no copy), and the master's `.grad` is the reduced gradient itself (an
+  fp32 upcast under bf16/fp16).
+- "host" (ZeRO-Offload): the master lives in host memory even in fp32 (unless the fp32
+  shards are offloaded with it, Config.offload_params), each owned gradient piece is copied
+  into a host fp32 buffer of its own (`grad_staging`, during backward where it can be:
+  [Note: gradient streaming] in streaming.py), the optimizer steps on the host, and the
+  updated masters are copied into the compute parameters.
+- "disk" (ZeRO-Infinity): the 16-bit runs' master and every per-element state in files,
+  the step a bucket at a time (stepper.py); in fp32 the parameters stay their own master
+  (a copy on disk would add bytes, not remove any); the gradient is not copied.
+The stepper, the state dicts and the checkpoints (through `OwnedSlice.read`/`write`) only
+ever go through these.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
 
 import torch
 
-from ..memory import hostmem
+from ..memory.placement import Placement
 from ..sharding.model_state import LoadedValues
 
-__all__ = ["MasterPlacement", "MasterShard", "ShardStorage", "piece_runs", "runs_of_bytes"]
+__all__ = ["MasterShard", "ShardStorage", "piece_runs", "runs_of_bytes"]
 
 
 class ShardStorage(Protocol):
@@ -34,7 +44,7 @@ class ShardStorage(Protocol):
     def publish(self, phase: str = "step") -> None: ...
     def zero_grad(self) -> None: ...
     def held_tensors(self) -> dict: ...
-    def offloaded_tensors(self) -> dict: ...  # placement ("host"/"disk") -> tensors kept there
+    def offloaded_tensors(self) -> dict: ...  # placement kind ("host"/"disk") -> tensors kept there
     offloaded: bool  # the parameter shard itself lives off the device (Config.offload_params)
     # For state dicts (optim/state_dict.py): the layout's slots that are this storage's,
     # their names, this rank on the shard axis, and the shard axis's collectives.
@@ -45,74 +55,16 @@ class ShardStorage(Protocol):
     collectives: object
 
 
-@dataclass(frozen=True)
-class MasterPlacement:
-    """"device": the master and the optimizer states beside the parameters; in fp32 the
-    owned parameter pieces are their own master. Subclasses (optim/offload.py) put them
-    elsewhere and say so with `separate_master`."""
-
-    kind: str = "device"
-
-    @property
-    def separate_master(self) -> bool:
-        """Whether fp32 parameters still get a master of their own (it lives elsewhere)."""
-        return False
-
-    @property
-    def streams(self) -> bool:
-        """Whether `prefetch` and `release` do anything (the states stream from a disk)."""
-        return False
-
-    @property
-    def stages_gradients(self) -> bool:
-        """Whether the reduced gradient is copied next to the master (`gradient_buffer`)."""
-        return False
-
-    def allocate(self, numel: int, like: torch.device) -> torch.Tensor:
-        """One long-lived fp32 buffer (MD) for a shard's master."""
-        return hostmem.empty(numel, torch.float32, like)
-
-    def fp32_grad(self, grad: torch.Tensor, master: torch.Tensor, staging=None) -> torch.Tensor:
-        """The reduced gradient as the master's `.grad`: itself when it is fp32 (no copy),
-        else an fp32 upcast."""
-        return grad.view(master.shape) if grad.dtype == torch.float32 else grad.float().view(master.shape)
-
-    def write_back(self, master: torch.Tensor, param: torch.Tensor) -> None:
-        """Updated master values into the compute-dtype parameter piece."""
-        param.copy_(master.view_as(param))
-
-    def synchronize(self) -> None:
-        """Wait for the copies `fp32_grad` and `write_back` started (asynchronous ones)."""
-
-    def allocate_state(self, numel: int, dtype: torch.dtype, like: torch.device) -> torch.Tensor:
-        """One long-lived buffer for a shard's optimizer state of `dtype`, beside its master."""
-        return hostmem.empty(numel, dtype, like)
-
-    def prefetch(self, tensors) -> None:
-        """These master and state tensors are stepped next (disk: start reading them)."""
-
-    def release(self, tensors) -> None:
-        """These were stepped (disk: write them back, drop them from memory)."""
-
-    def read(self, master: torch.Tensor) -> torch.Tensor:
-        """A master range as a contiguous CPU tensor, for a checkpoint."""
-        return master.detach().cpu().contiguous()
-
-    def write(self, master: torch.Tensor, value: torch.Tensor) -> None:
-        """Values from a checkpoint (CPU, fp32) into a master range."""
-        master.copy_(value.to(master.device))
-
-
 class MasterShard:
     """One storage's owned pieces and the master tensors the inner optimizer updates: one
     tensor per owned piece (a bucket's chunk at stages 0-2, a parameter's part at stage
     3), so the optimizer's temporaries stay piece-sized rather than shard-sized. In fp32
     the owned parameter pieces are their own master (views, no copy)."""
 
-    def __init__(self, storage: ShardStorage, full_precision: bool, placement: MasterPlacement):
+    def __init__(self, storage: ShardStorage, full_precision: bool, placement: Placement):
         # `full_precision`: the parameters are the master (fp32, kept beside them, or
         # offloaded with them: Config.offload_params puts fp32 shards where the master goes).
-        self.full_precision = full_precision and (not placement.separate_master or storage.offloaded)
+        self.full_precision = full_precision and (placement.kind != "host" or storage.offloaded)
         self.storage, self.placement = storage, placement
         self.grad_staging: list[torch.Tensor] = []  # the gradient beside an offloaded master
         # Written by an optimizer state dict since the last step: a model state dict loaded
@@ -124,12 +76,12 @@ class MasterShard:
             fp32 = storage.owned_fp32()
             sizes = [t.numel() for t in fp32]
             device = fp32[0].device if fp32 else torch.device("cpu")
-            flat = placement.allocate(sum(sizes), device)
+            flat = placement.empty(sum(sizes), torch.float32, device)
             self.master_tensors = list(torch.split(flat, sizes)) if fp32 else []
             for m, t in zip(self.master_tensors, fp32):
                 m.copy_(t)
-            if placement.stages_gradients and fp32:
-                self.grad_staging = list(torch.split(placement.allocate(sum(sizes), device), sizes))
+            if placement.kind == "host" and fp32:  # the gradient is copied next to the master
+                self.grad_staging = list(torch.split(placement.empty(sum(sizes), torch.float32, device), sizes))
 
     def attach_grads(self, inv_scale: float, streamed: frozenset = frozenset()) -> None:
         """Each master's fp32 `.grad`, unscaled; the pieces in `streamed` were copied to their
@@ -137,17 +89,29 @@ class MasterShard:
         self.restored = False
         staging = self.grad_staging or [None] * len(self.master_tensors)
         for i, (m, g, buf) in enumerate(zip(self.master_tensors, self.storage.owned_grads(), staging)):
-            m.grad = buf.view(m.shape) if i in streamed else self.placement.fp32_grad(g, m, buf)
+            m.grad = buf.view(m.shape) if i in streamed else self._fp32_grad(g, m, buf)
         self.placement.synchronize()
         if inv_scale != 1.0:
             for m in self.master_tensors:
                 m.grad.mul_(inv_scale)
 
+    def stage_grad(self, i: int) -> None:
+        """Piece `i`'s final reduced gradient into its host buffer now ([Note: gradient streaming])."""
+        self._fp32_grad(self.storage.owned_grads()[i], self.master_tensors[i], self.grad_staging[i])
+
+    def _fp32_grad(self, grad: torch.Tensor, master: torch.Tensor, staging) -> torch.Tensor:
+        """The reduced gradient as the master's `.grad`: copied into its staging buffer where
+        it has one (upcast on the way if 16-bit), else itself when fp32, else an fp32 upcast."""
+        if staging is None:
+            return grad.view(master.shape) if grad.dtype == torch.float32 else grad.float().view(master.shape)
+        self.placement.copy_into(staging, grad.reshape(-1))
+        return staging.view(master.shape)
+
     def write_back(self) -> None:
         """Masters into the compute parameters (nothing to do when they are the parameters)."""
         if not self.full_precision:
             for m, param in zip(self.master_tensors, self.storage.owned_params()):
-                self.placement.write_back(m, param)
+                self.placement.copy_into(param, m.view_as(param))
             self.placement.synchronize()
             self.placement.release(self.master_tensors)  # disk: read for this, dropped again
 

@@ -92,7 +92,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = None
         self._replicated = (replicated_runs(stepper.all_shards(), tensor_parallel.split_names)
                             if tensor_parallel is not None else None)
-        self.streamer = GradStreamer(stepper.all_shards() if after is None else [], stepper.placement)
+        self.streamer = GradStreamer(stepper.all_shards() if after is None else [])
         grad_sync.on_final_grads = self.streamer.on_final_grads  # [Note: gradient streaming]
 
     @property

@@ -19,7 +19,7 @@ def measure(opt) -> MemoryReport:
     census.claim("grads", (b for s in stepper.all_shards() for b in s.grad_staging))
     census.claim("optimizer_states", (v for p, state in stepper.inner.state.items()
                                       for v in state.values() if is_elementwise_state(v, p)))
-    census.claim("optimizer_states", stepper.homes.buffers.values())  # allocated ahead (disk)
+    census.claim("optimizer_states", stepper.state_buffers.buffers.values())  # allocated ahead (disk)
     census.claim("secondary_params", (t for held in held_by for t in held.get("secondary_params", ())))
     secondary = getattr(opt.grad_sync, "secondary_pool", None)
     census.claim("secondary_params", secondary.allocated if secondary is not None else ())
@@ -32,19 +32,18 @@ def measure(opt) -> MemoryReport:
         census.claim(holder, [t])
     held = census.by_owner()
     layouts = {id(st.layout): st.layout for st in storages}.values()
-    # What the placement keeps off the device: in host memory ([Note: host placement]) or
-    # in files ([Note: disk placement]), counted from the same storages.
+    # What the placement keeps off the device, in host memory or in files ([Note: master
+    # placement] in master.py), counted from the same storages.
     offloaded = Census()
     for st in storages:  # Config.offload_params: the shards themselves
         for kind, tensors in st.offloaded_tensors().items():
             offloaded.claim(kind, tensors)
-    if stepper.placement.kind in ("host", "disk"):
-        files = getattr(stepper.placement, "files", None)
+    if stepper.placement.offloaded:
         kept = [*(m for s in stepper.all_shards() for m in s.master_tensors),
                 *(b for s in stepper.all_shards() for b in s.grad_staging),
                 *(v for p, state in stepper.inner.state.items() for v in state.values()
-                  if is_elementwise_state(v, p)), *stepper.homes.buffers.values()]
-        offloaded.claim(stepper.placement.kind, (t for t in kept if files is None or files.owns(t)))
+                  if is_elementwise_state(v, p)), *stepper.state_buffers.buffers.values()]
+        offloaded.claim(stepper.placement.kind, (t for t in kept if stepper.placement.owns(t)))
     offloaded.claim("activations_host", checkpoints["host"])
     by_place = offloaded.by_owner()
     return MemoryReport(

@@ -24,11 +24,12 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from ..distributed import Comm
+from ..distributed.agreement import raise_if_any_failed
 from ..memory.ledger import is_elementwise_state
 from ..sharding.model_state import LoadedValues
-from .homes import StateHomes
-from .master import MasterPlacement, MasterShard, ShardStorage, runs_of_bytes
-from .offload import placement_for, raise_offload_failures
+from ..memory.placement import Placement, open_placement
+from .master import MasterShard, ShardStorage, runs_of_bytes
+from .state_buffers import StateBuffers
 from .state_dict import OwnedSlice, owned_slices
 
 __all__ = ["ShardStepper", "build_stepper"]
@@ -40,9 +41,10 @@ class ShardStepper:
 
     pending = False  # no update in flight (see DelayedStepper)
 
-    def __init__(self, inner: torch.optim.Optimizer, shards: list[list[MasterShard]], placement: MasterPlacement,
-                 homes: StateHomes, bucket_bytes: int):
-        self.inner, self.shards, self.placement, self.homes = inner, shards, placement, homes
+    def __init__(self, inner: torch.optim.Optimizer, shards: list[list[MasterShard]], placement: Placement,
+                 state_buffers: StateBuffers, bucket_bytes: int):
+        self.inner, self.shards, self.placement = inner, shards, placement
+        self.state_buffers = state_buffers
         self.bucket_bytes = bucket_bytes
         # The inner optimizer's step without torch's hook wrapper: the hooks (global ones
         # included) run once per step in ZeroOptimizer.step, not once per bucket.
@@ -101,15 +103,15 @@ class ShardStepper:
         try:
             for k, (gi, chunk) in enumerate(chunks):
                 if place.streams and k + 1 < len(chunks):  # disk: read the next bucket while this one steps
-                    place.prefetch(self.homes.step_tensors(state, chunks[k + 1][1]))
+                    place.prefetch(self.state_buffers.step_tensors(state, chunks[k + 1][1]))
                 for gj, g in enumerate(groups):
                     g["params"] = chunk if gj == gi else []
                 self._step_fn(self.inner)
-                self.homes.move_in(state, chunk, self.on_cpu)
+                self.state_buffers.move_in(state, chunk, self.on_cpu)
                 if place.streams and k > 0:  # disk: write back the bucket before, drop it from memory
-                    place.release(self.homes.step_tensors(state, chunks[k - 1][1]))
+                    place.release(self.state_buffers.step_tensors(state, chunks[k - 1][1]))
             if place.streams and chunks:
-                place.release(self.homes.step_tensors(state, chunks[-1][1]))
+                place.release(self.state_buffers.step_tensors(state, chunks[-1][1]))
         finally:
             for g, params in zip(groups, everything):
                 g["params"] = params
@@ -159,7 +161,7 @@ class ShardStepper:
         """Drop every optimizer state, as before the first step (the long-lived buffers
         stay, for the states of the next first step)."""
         self.inner.state.clear()
-        self.homes.forget()
+        self.state_buffers.forget()
 
     def drop_states(self, masters: list) -> None:
         """These master tensors have no states any more (as before their first step)."""
@@ -170,7 +172,7 @@ class ShardStepper:
             return
         for t in masters:
             self.inner.state.pop(t, None)
-        self.homes.forget()  # the step that creates them again moves them into their buffers again
+        self.state_buffers.forget()  # the step that creates them again moves them into their buffers again
 
     def scalar_states(self) -> list[dict]:
         """Per param group, the optimizer's scalar states (e.g. Adam's step), which torch's
@@ -211,26 +213,32 @@ def build_stepper(inner: torch.optim.Optimizer, storages: Sequence[Sequence[Shar
                   offload: str, offload_dir, compute_dtype: torch.dtype, bucket_bytes: int,
                   files=None) -> ShardStepper:
     """Each group's master shards where `offload` (Config.offload_optimizer) puts them, the
-    inner optimizer's parameters swapped for them. A directory or disk that cannot take the
-    states fails on every rank before training starts."""
+    inner optimizer's parameters swapped for them; on disk in `files` when the parameter
+    shards opened the directory already. A directory or disk that cannot take the states
+    fails on every rank before training starts."""
+    what = f"placing the optimizer states (Config.offload_optimizer={offload!r})"
+    placement = open_placement(offload, comm, offload_dir, files=files, what=what)
     full_precision = compute_dtype == torch.float32
-    offloaded, problem, placement, stepper = offload != "none", None, None, None
+    problem, stepper = None, None
     try:
-        placement = placement_for(offload, comm.device, offload_dir, comm.rank, files)
         shards: list[list[MasterShard]] = []
         for group, group_storages in zip(inner.param_groups, storages):
             shards.append([MasterShard(s, full_precision, placement) for s in group_storages])
             group["params"] = [t for s in shards[-1] for t in s.master_tensors]
-        homes = StateHomes([s for group in shards for s in group], placement)  # the states' long-lived buffers
-        if offload == "disk":  # the states' files now, so that a full disk is found before the first step
-            homes.allocate_ahead(inner, shards)
-        stepper = ShardStepper(inner, shards, placement, homes, bucket_bytes)
+        state_buffers = StateBuffers([s for group in shards for s in group], placement)
+        if placement.streams:  # the states' files now, so that a full disk is found before the first step
+            state_buffers.allocate_ahead(inner, shards)
+        stepper = ShardStepper(inner, shards, placement, state_buffers, bucket_bytes)
     except Exception as e:  # noqa: BLE001 - raised on this rank by the agreement below
-        if not offloaded:
+        if not placement.offloaded:
             raise
         problem = e
-    if offloaded:
-        raise_offload_failures(comm, problem, f"placing the optimizer states ({offload})", placement)
+    if placement.offloaded:
+        try:
+            raise_if_any_failed(comm, problem, what, "init")
+        except Exception:
+            placement.close()
+            raise
     for group_storages in storages:  # only after every group's master is built: units span groups
         for s in group_storages:
             s.drop_initial_fp32()

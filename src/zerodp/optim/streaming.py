@@ -1,7 +1,7 @@
 """Offloaded gradients streamed to the host during backward (ZeRO-Offload, arXiv 2101.06840 §4.1).
 
 [Note: gradient streaming]
-With the master on the host (`HostPlacement`), every owned gradient piece is copied into its
+With the master on the host ([Note: master placement] in master.py), every owned gradient piece is copied into its
 host fp32 buffer before the step. Waiting for the step to copy them all leaves the link idle
 during backward and the step waiting on it. The backward schedule instead announces each
 storage part whose owned gradient is final (`BackwardSchedule.on_final_grads`: a stage-3 unit,
@@ -22,8 +22,7 @@ __all__ = ["GradStreamer"]
 class GradStreamer:
     """Which master pieces already hold their final gradient, by shard."""
 
-    def __init__(self, shards: list, placement):
-        self.placement = placement
+    def __init__(self, shards: list):
         # What the schedule announces -> [(shard, piece index)] it finalises.
         self._targets: dict = {}
         for shard in shards:
@@ -44,8 +43,7 @@ class GradStreamer:
         `segment` of a stage 1-2 flat group."""
         key = id(storage) if segment is None else (id(storage), segment)
         for shard, i in self._targets.get(key, ()):
-            grads = shard.storage.owned_grads()
-            self.placement.fp32_grad(grads[i], shard.master_tensors[i], shard.grad_staging[i])
+            shard.stage_grad(i)
             self.staged.add((id(shard), i))
             self.streamed_pieces += 1
 

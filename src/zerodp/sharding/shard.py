@@ -9,17 +9,16 @@ import torch.nn as nn
 
 from ..config import Config
 from ..distributed import Comm
-from ..distributed.agreement import raise_if_any_failed
 from ..memory import hostmem
 from ..memory.diskmem import Arena
 from ..memory.layout import FlatLayout
+from ..memory.placement import Placement, open_placement
 from ..memory.pool import BufferPool
 from .flat_group import FlatParamGroup
 from ..distributed.quantized import QuantizedCollectives
 from .flat_unit import ONE_SEGMENT, FlatUnit, SecondaryPartition, UnitGroupView
 from .meta_init import check_same_initialisation, default_device, has_meta, materialize
 from .prepare import apply_compute_dtype, replicate_from_rank0
-from .shard_home import ShardHome
 from .units import assign_params, encloses, select_units
 
 __all__ = ["FlatGroups", "ShardedUnits", "flatten_groups", "shard_units"]
@@ -43,6 +42,7 @@ class ShardedUnits:
     trainable: list
     pool: BufferPool
     secondary_pool: BufferPool  # hpZ's node-sharded copies (empty without it)
+    placement: Placement  # where the units' shards live (Config.offload_params)
 
 
 def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
@@ -64,16 +64,26 @@ def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]]
 
 
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
-                config: Config, files=None) -> ShardedUnits:
+                config: Config) -> ShardedUnits:
     """Split `model` into units and shard each unit's trainable parameters. A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
-    `files`: the rank's OffloadDir, for Config.offload_params="disk"."""
+    Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
+    directory opened here is closed again if anything fails."""
     units = select_units(model, config.unit_modules, config.unit_min_params)
     assignment = assign_params(model, units, named)
     # A unit with no trainable parameter is not built, except the root, whose hooks begin
     # and end every pass (it may own none: `unit_modules=(nn.Linear,)` leaves it nothing).
     to_build = [ui for ui, idx in enumerate(assignment) if idx or ui == len(units) - 1]
-    home = shard_home(config, comm, [[named[i][1].shape for i in assignment[ui]] for ui in to_build], files)
+    placement = shard_placement(config, comm, [[named[i][1].shape for i in assignment[ui]] for ui in to_build])
+    try:
+        return _shard_units(model, named, group_indices, comm, config, units, assignment, to_build, placement)
+    except BaseException:
+        placement.close()  # the directory can be used again at once
+        raise
+
+
+def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, config: Config,
+                 units: list, assignment: list, to_build: list, placement: Placement) -> ShardedUnits:
     names = [n for n, _ in named]
     unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
     remaining = [len(idx) for idx in assignment]
@@ -91,7 +101,7 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
                              comm, config.compute_dtype, config.grad_reduce_dtype, pool,
                              sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
-                             home=home)
+                             placement=placement)
         if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
             hostmem.release_free_heap()
 
@@ -130,30 +140,23 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
                 views.append(UnitGroupView(u, local))
         group_views.append(views)
     return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names)], pool,
-                        secondary_pool)
+                        secondary_pool, placement)
 
 
-def shard_home(config: Config, comm: Comm, unit_shapes: list, files) -> ShardHome:
-    """Where the units' shards live ([Note: shard homes] in shard_home.py). On disk, the
-    parameter and gradient shard of every unit to be built (`unit_shapes`: the shapes of
-    each one's parameters) is reserved now, in one file, so that a disk too small fails
-    here, on every rank, before any unit is built."""
-    kind = config.offload_params
-    if kind == "host":
-        return ShardHome("host", pinned=comm.device.type == "cuda")
-    if kind != "disk":
-        return ShardHome()
+def shard_placement(config: Config, comm: Comm, unit_shapes: list) -> Placement:
+    """Where the units' shards live (Config.offload_params; [Note: placement] in
+    memory/placement.py). On disk, the parameter and gradient shard of every unit to be
+    built (`unit_shapes`: the shapes of each one's parameters) is reserved now, so that a
+    disk too small fails here, on every rank, before any unit is built."""
+    if config.offload_params != "disk":
+        return open_placement(config.offload_params, comm)
     # The layout each unit is built with: a unit with no parameter still keeps a shard of
     # one element per rank (its layout is padded to the shard size), as FlatUnit lays it out.
     numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel for shapes in unit_shapes]
-    arenas, problem = (None, None), None
-    try:
-        arenas = tuple(files.arena(Arena.nbytes_for([(n, dtype) for n in numels]))
-                       for dtype in (config.compute_dtype, config.grad_reduce_dtype))
-    except Exception as e:  # noqa: BLE001 - raised on every rank below
-        problem = e
-    raise_if_any_failed(comm, problem, "placing the parameter shards (Config.offload_params='disk')", "init")
-    return ShardHome("disk", param_arena=arenas[0], grad_arena=arenas[1], files=files)
+    reserve = [(purpose, Arena.nbytes_for([(n, dtype) for n in numels]))
+               for purpose, dtype in (("params", config.compute_dtype), ("grads", config.grad_reduce_dtype))]
+    return open_placement("disk", comm, config.offload_dir, reserve=reserve,
+                          what="placing the parameter shards (Config.offload_params='disk')")
 
 
 def training_collectives(comm: Comm, config: Config):

@@ -1,9 +1,9 @@
 """Where the optimizer's per-element states live between steps: one long-lived buffer per
-shard and state, allocated by the master placement.
+shard and state, in the master's placement ([Note: master placement] in master.py).
 
 The user's optimizer creates its states lazily, in its first step, one small tensor per
 piece, in the C heap; each moves at once into its shard's buffer ([Note: long-lived host
-buffers] in memory/hostmem.py, or a file: [Note: disk placement] in optim/offload.py),
+buffers] in memory/hostmem.py, or a file: [Note: disk buffers] in memory/diskmem.py),
 bucket by bucket, so that no more than a bucket of states is ever held twice.
 """
 from __future__ import annotations
@@ -13,15 +13,16 @@ import torch
 from ..memory import hostmem
 from ..memory.ledger import is_elementwise_state
 from .inner import elementwise_state_dtypes
-from .master import MasterPlacement, MasterShard
+from ..memory.placement import Placement
+from .master import MasterShard
 
-__all__ = ["StateHomes"]
+__all__ = ["StateBuffers"]
 
 
-class StateHomes:
+class StateBuffers:
     """The shards' state buffers, and which master tensor's states sit where in them."""
 
-    def __init__(self, shards: list[MasterShard], placement: MasterPlacement):
+    def __init__(self, shards: list[MasterShard], placement: Placement):
         self.shards, self.placement = shards, placement
         self.buffers: dict = {}  # (shard index, state key, dtype) -> its buffer
         self.moved: set = set()  # (id(master tensor), state key) already in its buffer
@@ -36,7 +37,7 @@ class StateHomes:
         found = self.buffers.get((shard_index, key, dtype))
         if found is None:
             numel = sum(m.numel() for m in self.shards[shard_index].master_tensors)
-            found = self.buffers[(shard_index, key, dtype)] = self.placement.allocate_state(numel, dtype, device)
+            found = self.buffers[(shard_index, key, dtype)] = self.placement.empty(numel, dtype, device, transfers=False)
         return found
 
     def allocate_ahead(self, inner: torch.optim.Optimizer, groups: list[list[MasterShard]]) -> None:
