@@ -28,7 +28,7 @@ from ..distributed.collectives import Collectives
 from ..memory import hostmem
 from ..memory.layout import FlatLayout, Piece
 from ..memory.pool import BufferPool
-from .shard_home import ShardHome
+from ..memory.placement import Placement
 
 __all__ = ["FlatUnit", "SecondaryPartition", "TrainingState", "UnitGroupView", "UnitState"]
 
@@ -76,7 +76,7 @@ class FlatUnit:
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
                  sync_from_rank0: bool = True, transfer: Optional[Collectives] = None,
-                 secondary: Optional[SecondaryPartition] = None, home: Optional[ShardHome] = None):
+                 secondary: Optional[SecondaryPartition] = None, placement: Optional[Placement] = None):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         self.label = f"unit {self.name}"  # the comm ledger's
         self.storage_part = (self, None)  # [Note: gradient streaming] in optim/streaming.py
@@ -106,12 +106,12 @@ class FlatUnit:
         # the full values lets `check_same_initialisation` (meta_init.py) compare the ranks.
         self.init_fingerprint = None if sync_from_rank0 else _fingerprint(full_fp32)
         own = self.own_chunk(full_fp32)
-        # Where the shards live between uses: [Note: shard homes] in shard_home.py.
-        self.home = home if home is not None else ShardHome()
+        # Where the shards live between uses: [Note: placement] in memory/placement.py.
+        self.home = placement if placement is not None else Placement()
         self.device = device  # where the unit computes: gathers and reductions happen here
         # Long-lived, so outside the C heap: [Note: long-lived host buffers] in memory/hostmem.py.
         self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
-        self.shard = self.home.copy_of(own, compute_dtype)
+        self.shard = self.home.copy_of(own, compute_dtype, arena="params")
         self.full: Optional[torch.Tensor] = None  # the gathered buffer, from the pool, while in use
         self.full_nbytes = self.layout.padded_numel * self.shard.element_size()
         # Allocated at the first backward: a model that is only built or evaluated holds none.
@@ -288,7 +288,7 @@ class FlatUnit:
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
-        if self.grad_full is not None and self.home.offloaded:  # [Note: shard homes]
+        if self.grad_full is not None and self.home.offloaded:  # [Note: placement]
             self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full), add=accumulate)
         elif accumulate and self.grad_full is not None:
             self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
@@ -316,7 +316,7 @@ class FlatUnit:
 
     def ensure_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = self.home.zeros(self.layout.shard_numel, self.reduce_dtype, self.device, grads=True)
+            self.grad_shard = self.home.zeros(self.layout.shard_numel, self.reduce_dtype, self.device, arena="grads")
         return self.grad_shard
 
     def zero_grad_shard(self, readable: bool = False) -> None:
@@ -437,5 +437,5 @@ class UnitGroupView:
 
     @property
     def offloaded(self) -> bool:
-        """The shards live off the device ([Note: shard homes]): their own fp32 master can stay there."""
+        """The shards live off the device ([Note: placement]): their own fp32 master can stay there."""
         return self.unit.home.offloaded
