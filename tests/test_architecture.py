@@ -17,7 +17,7 @@ PACKAGE = SRC / "zerodp"
 # config -> topology (distributed) -> layout (memory) -> sharding -> schedule -> optimizer,
 # and every layer moves bytes through distributed's collectives.
 LAYERS = [
-    ("zerodp.version", "zerodp.config"),
+    ("zerodp.version", "zerodp.policies", "zerodp.config", "zerodp.config_world"),
     ("zerodp.distributed",),
     ("zerodp.memory",),
     ("zerodp.sharding", "zerodp.tensor_parallel"),
@@ -205,3 +205,56 @@ def test_the_architecture_test_sees_violations(tmp_path):
             test_no_module_uses_another_modules_private_names()
     finally:
         del TREES["zerodp.memory.fake"], MODULES["zerodp.memory.fake"]
+
+
+def _calls_and_keywords(tree: ast.Module):
+    """(attribute or function name called, keyword names) of every call in `tree`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            yield name, {k.arg for k in node.keywords}, node.lineno
+
+
+def test_one_reduce_queue():
+    """Reductions in flight are waited for in one place, schedule/base.py's ReduceQueue: the
+    stage 0-2 reducer and the stage-3 engine only order them, and every storage (a stage
+    0-2 bucket, a stage-3 unit) offers the same verbs for its own collectives."""
+    wrong = [f"{name}:{line} polls a collective (is_completed)" for name, tree in TREES.items()
+             if name not in ("zerodp.schedule.base", "zerodp.distributed.collectives")
+             for called, _, line in _calls_and_keywords(tree) if called == "is_completed"]
+    assert not wrong, "\n".join(wrong)
+    queue_users = [name for name in ("zerodp.schedule.reducer", "zerodp.schedule.stage3")
+                   if any(called == "ReduceQueue" for called, _, _ in _calls_and_keywords(TREES[name]))]
+    assert queue_users == ["zerodp.schedule.reducer", "zerodp.schedule.stage3"], queue_users
+    verbs = {"launch_reduce", "reduced_chunk", "finish_reduce"}
+    for name, cls in (("zerodp.sharding.bucket", "Bucket"), ("zerodp.sharding.flat_unit", "FlatUnit")):
+        node = next(n for n in ast.walk(TREES[name]) if isinstance(n, ast.ClassDef) and n.name == cls)
+        methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        assert verbs <= methods, f"{cls} lacks {sorted(verbs - methods)}"
+
+
+def test_only_the_placement_module_allocates_offloaded_storage():
+    """Pinned host memory and offload files are allocated by memory/placement.py alone
+    ([Note: placement]); diskmem.py is the file layer under it."""
+    wrong = []
+    for name, tree in TREES.items():
+        if name in ("zerodp.memory.placement", "zerodp.memory.diskmem"):
+            continue
+        for called, keywords, line in _calls_and_keywords(tree):
+            if "pin_memory" in keywords or called in ("OffloadDir", "Arena", "arena"):
+                wrong.append(f"{name}:{line} allocates offloaded storage ({called})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_config_refusals_live_with_the_config():
+    """A Config that cannot take effect is refused where it is built (config.py) or, where the
+    world decides, by config_world.check_world: nothing below the face re-checks a field
+    combination on its own (ConfigErrors elsewhere concern a model or a trainer, not fields)."""
+    allowed = {"zerodp.config", "zerodp.config_world", "zerodp.distributed.topology", "zerodp.tensor_parallel.plan",
+               "zerodp.tensor_parallel.activations", "zerodp.integrations.hf", "zerodp.demo.train"}
+    raising = {name for name, tree in TREES.items()
+               for called, _, _ in _calls_and_keywords(tree) if called == "ConfigError"}
+    assert raising <= allowed, sorted(raising - allowed)
+    # world-dependent checks are called once, from initialize
+    assert any(called == "check_world" for called, _, _ in _calls_and_keywords(TREES["zerodp.api"]))

@@ -49,7 +49,7 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
     if not named:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
                          f"there is nothing for zerodp to shard or train")
-    check_param_dtypes(named, config)
+    check_param_dtypes(named, config.precision)
     devices = {p.device for _, p in named}
     if len(devices) != 1:
         raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
@@ -125,12 +125,14 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     if config.tensor_parallel_size > 1:  # [Note: tensor-parallel axis]; ZeRO then shards over data ranks
         comm = Comm(topology=Topology.build_tensor_parallel(config.tensor_parallel_size, comm_device,
                                                              config.collective_timeout_s), ledger=comm.ledger)
-    tensor_parallel = parallelize(model, comm, config)
+    tensor_parallel = parallelize(model, comm, config.tensor_parallel)
 
     if config.stage == 3:
-        sharded = shard_units(model, named, group_indices, comm, config)
+        sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,
+                              config.zeropp)
         try:
-            schedule = Stage3Engine(sharded.units, comm, config, sharded.pool, sharded.secondary_pool)
+            schedule = Stage3Engine(sharded.units, comm, config.backward, config.units, sharded.pool,
+                                    sharded.secondary_pool)
             opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
                                 group_indices=group_indices, stage3=schedule, files=sharded.placement.files,
                                 tensor_parallel=tensor_parallel)
@@ -142,9 +144,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(sharded.units),
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))
     else:
-        flat = flatten_groups(model, named, group_indices, comm, config)
-        reducer = GradReducer(flat.groups, comm, config.grad_accumulation_steps, config.overlap_comm,
-                              flat.backward_order, config.reduce_each_micro_batch)
+        flat = flatten_groups(model, named, group_indices, comm, config.stage, config.precision,
+                              config.bucket_bytes)
+        reducer = GradReducer(flat.groups, comm, config.backward, flat.backward_order)
         model.register_forward_pre_hook(lambda module, args: reducer.check_no_open_backward())
         model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
                                     if torch.is_grad_enabled() else None)

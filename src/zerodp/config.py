@@ -14,6 +14,9 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from .policies import (BackwardPolicy, OffloadPolicy, PrecisionPolicy, StepPolicy, TensorParallelPolicy, UnitPolicy,
+                       ZeroPPPolicy)
+
 __all__ = ["Config", "ConfigError", "DTYPES", "torchrun_ranks_per_node"]
 
 # Names accepted for a dtype, and the torch dtype each one means.
@@ -369,6 +372,40 @@ class Config:
     @property
     def uses_loss_scaling(self) -> bool:
         return self.mixed_precision == "fp16"
+
+    # -- each component's part (policies.py) -------------------------------------------
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return PrecisionPolicy(self.mixed_precision, self.compute_dtype, self.grad_reduce_dtype, self.cast_buffers)
+
+    @property
+    def step_policy(self) -> StepPolicy:
+        scaling = "none" if not self.uses_loss_scaling else "dynamic" if self.loss_scale == "dynamic" else "fixed"
+        scale = {"none": 1.0, "dynamic": self.initial_loss_scale, "fixed": self.loss_scale}[scaling]
+        return StepPolicy(scaling, float(scale), self.loss_scale_growth_interval, self.nonfinite_grads)
+
+    @property
+    def backward(self) -> BackwardPolicy:
+        return BackwardPolicy(self.grad_accumulation_steps, self.reduce_each_micro_batch, self.overlap_comm,
+                              self.bucket_bytes)
+
+    @property
+    def units(self) -> UnitPolicy:
+        return UnitPolicy(self.unit_modules, self.unit_min_params, self.reshard_after_forward, self.prefetch_units,
+                          self.debug)
+
+    @property
+    def offload(self) -> OffloadPolicy:
+        return OffloadPolicy(self.offload_optimizer, self.offload_params, self.offload_dir, self.delayed_update_after)
+
+    @property
+    def zeropp(self) -> ZeroPPPolicy:
+        return ZeroPPPolicy(self.hpz, 8 if self.quantize_weights else None, self.grad_quantization_bits,
+                            self.quantize_block_size)
+
+    @property
+    def tensor_parallel(self) -> TensorParallelPolicy:
+        return TensorParallelPolicy(self.tensor_parallel_size, self.partition_activations, self.activations_on_host)
 
     # -- loading --------------------------------------------------------------------
     @classmethod

@@ -67,6 +67,12 @@ class Placement:
             return torch.zeros(numel, dtype=dtype, pin_memory=True)
         return hostmem.empty(numel, dtype, torch.device("cpu"))
 
+    def staging(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for values held off the device for a while and copied back (Pa+cpu's
+        activation checkpoints): pinned beside CUDA, else from the allocator, as short-lived
+        tensors are."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
+
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device, *, arena: Optional[str] = None):
         """As `empty`, zeroed: only device memory on an accelerator needs it (anonymous and
         pinned pages start zeroed, and so do the files' freshly allocated blocks)."""

@@ -75,12 +75,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.rows = RowSharding(comm, sharded=config.stage >= 1)
         self.grad_sync = grad_sync  # reducer (stages 0-2) or stage-3 engine: micro_step, grads_ready
         self.stage3 = stage3
-        stepper = build_stepper(inner, storages, comm, config.offload_optimizer, config.offload_dir,
-                                config.compute_dtype, config.bucket_bytes, files)
+        stepper = build_stepper(inner, storages, comm, config.offload, config.compute_dtype, config.bucket_bytes,
+                                files)
         # [Note: delayed parameter update] in delayed.py (Config.delayed_update_after).
         after = config.delayed_update_after
         self.stepper = DelayedStepper(stepper, after, comm) if after is not None else stepper
-        self.guard = StepGuard(comm, config)
+        self.guard = StepGuard(comm, config.step_policy)
         # Optimizer's bookkeeping, shared with the inner optimizer rather than copied.
         self.defaults, self.state = inner.defaults, inner.state
         for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..policies import StepPolicy
 from .clipping import local_nonfinite
 
 
@@ -29,13 +30,9 @@ class LossScaler:
     skipped_steps: int = 0
 
     @classmethod
-    def from_config(cls, config) -> "LossScaler":
-        if not config.uses_loss_scaling:
-            return cls(scale=1.0, dynamic=False)
-        if config.loss_scale == "dynamic":
-            return cls(scale=float(config.initial_loss_scale), dynamic=True,
-                       growth_interval=config.loss_scale_growth_interval)
-        return cls(scale=float(config.loss_scale), dynamic=False)
+    def from_policy(cls, policy: StepPolicy) -> "LossScaler":
+        return cls(scale=policy.loss_scale, dynamic=policy.loss_scaling == "dynamic",
+                   growth_interval=policy.growth_interval)
 
     def update(self, found_inf: bool) -> None:
         """Record one step's outcome: back off on inf/nan, grow after a clean interval."""
@@ -69,12 +66,12 @@ class LossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
-def nonfinite_flag(config, norm: Optional[float], grads: list[torch.Tensor],
+def nonfinite_flag(policy: StepPolicy, norm: Optional[float], grads: list[torch.Tensor],
                    device: torch.device) -> Optional[torch.Tensor]:
     """This rank's 0/1 verdict on a nan/inf gradient for the step agreement, when anything
     acts on it (the fp16 loss scaler, or Config.nonfinite_grads other than "proceed"): from
     the global norm when clip_grad_norm_ already reduced one, else from the local pieces."""
-    if not config.uses_loss_scaling and config.nonfinite_grads == "proceed":
+    if policy.loss_scaling == "none" and policy.nonfinite_grads == "proceed":
         return None
     if norm is not None:
         return torch.tensor(0.0 if math.isfinite(float(norm)) else 1.0)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..distributed import Comm
+from ..policies import StepPolicy
 from .precision import LossScaler, nonfinite_error, nonfinite_flag
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,9 @@ class StepOutcome(enum.Enum):
 class StepGuard:
     """Loss scaling, the non-finite policy and the ranks' agreement on each step."""
 
-    def __init__(self, comm: Comm, config):
-        self.comm = comm
-        self.scaler = LossScaler.from_config(config)
-        self.config = config  # mixed_precision, loss scaling, nonfinite_grads: nonfinite_flag reads them
+    def __init__(self, comm: Comm, policy: StepPolicy):
+        self.comm, self.policy = comm, policy
+        self.scaler = LossScaler.from_policy(policy)
         self.skipped_steps = 0  # steps skipped for a nan/inf gradient (nonfinite_grads="skip")
         self.last_skipped = False  # the last step left the weights unchanged
 
@@ -45,10 +45,10 @@ class StepGuard:
         """Collective: the ranks' verdict on this step's gradients (`norm`: the global norm,
         when clip_grad_norm_ already reduced one). Raises on every rank under
         nonfinite_grads="raise" before anything changes."""
-        nonfinite = self.comm.agree_on_step(nonfinite_flag(self.config, norm, grads, self.comm.device))
-        if self.config.uses_loss_scaling:
+        nonfinite = self.comm.agree_on_step(nonfinite_flag(self.policy, norm, grads, self.comm.device))
+        if self.policy.loss_scaling != "none":
             return StepOutcome.OVERFLOW if nonfinite else StepOutcome.APPLY
-        if nonfinite and self.config.nonfinite_grads == "raise":
+        if nonfinite and self.policy.nonfinite_grads == "raise":
             raise nonfinite_error(self.comm.rank, step)
         return StepOutcome.SKIP if nonfinite else StepOutcome.APPLY
 

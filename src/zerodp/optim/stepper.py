@@ -28,6 +28,7 @@ from ..distributed.agreement import raise_if_any_failed
 from ..memory.ledger import is_elementwise_state
 from ..sharding.model_state import LoadedValues
 from ..memory.placement import Placement, open_placement
+from ..policies import OffloadPolicy
 from .master import MasterShard, ShardStorage, runs_of_bytes
 from .state_buffers import StateBuffers
 from .state_dict import OwnedSlice, owned_slices
@@ -210,14 +211,14 @@ class ShardStepper:
 
 
 def build_stepper(inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]], comm: Comm,
-                  offload: str, offload_dir, compute_dtype: torch.dtype, bucket_bytes: int,
+                  offload: OffloadPolicy, compute_dtype: torch.dtype, bucket_bytes: int,
                   files=None) -> ShardStepper:
-    """Each group's master shards where `offload` (Config.offload_optimizer) puts them, the
+    """Each group's master shards where `offload.optimizer` puts them, the
     inner optimizer's parameters swapped for them; on disk in `files` when the parameter
     shards opened the directory already. A directory or disk that cannot take the states
     fails on every rank before training starts."""
-    what = f"placing the optimizer states (Config.offload_optimizer={offload!r})"
-    placement = open_placement(offload, comm, offload_dir, files=files, what=what)
+    what = f"placing the optimizer states (Config.offload_optimizer={offload.optimizer!r})"
+    placement = open_placement(offload.optimizer, comm, offload.directory, files=files, what=what)
     full_precision = compute_dtype == torch.float32
     problem, stepper = None, None
     try:

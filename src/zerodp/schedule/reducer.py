@@ -24,6 +24,7 @@ import torch
 
 from ..distributed import Comm
 from ..memory.pool import BufferPool
+from ..policies import BackwardPolicy
 from ..sharding.bucket import Bucket
 from ..sharding.flat_group import FlatParamGroup
 from .base import BackwardSchedule, ReduceQueue
@@ -36,12 +37,11 @@ class GradReducer(BackwardSchedule):
     """Counts down each bucket's parameters from backward hooks; its queue reduces the
     buckets in order (stages 0-2)."""
 
-    def __init__(self, groups: list[FlatParamGroup], comm: Comm, accumulation_steps: int,
-                 overlap: bool, backward_order: dict, reduce_each_micro_batch: bool):
+    def __init__(self, groups: list[FlatParamGroup], comm: Comm, policy: BackwardPolicy, backward_order: dict):
         # Stages 0-1 hold full gradients anyway: they reduce once, at the boundary.
         stage = groups[0].stage
-        super().__init__(comm, accumulation_steps, reduce_each_micro_batch and stage == 2)
-        self.groups, self.overlap = groups, overlap
+        super().__init__(comm, policy.accumulation_steps, policy.reduce_each_micro_batch and stage == 2)
+        self.groups, overlap = groups, policy.overlap_comm
         self.pool = BufferPool()
         buckets: list[Bucket] = []
         for g in groups:

@@ -33,7 +33,7 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..config import Config
+from ..policies import BackwardPolicy, UnitPolicy
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.pool import BufferPool
@@ -55,10 +55,10 @@ class _UnitView:
 class Stage3Engine(BackwardSchedule):
     """The schedule: when each unit is gathered, freed and reduced."""
 
-    def __init__(self, units: list[FlatUnit], comm: Comm, config: Config, pool: BufferPool,
-                 secondary_pool: Optional[BufferPool] = None):
-        super().__init__(comm, config.grad_accumulation_steps, config.reduce_each_micro_batch)
-        self.units, self.config, self.pool = units, config, pool
+    def __init__(self, units: list[FlatUnit], comm: Comm, backward: BackwardPolicy, policy: UnitPolicy,
+                 pool: BufferPool, secondary_pool: Optional[BufferPool] = None):
+        super().__init__(comm, backward.accumulation_steps, backward.reduce_each_micro_batch)
+        self.units, self.policy, self.pool = units, policy, pool
         self.secondary_pool = secondary_pool  # hpZ's node pieces, kept from forward to backward
         self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
         self._hooks_owner: Optional[int] = None  # the unit whose forward entered them
@@ -72,7 +72,7 @@ class Stage3Engine(BackwardSchedule):
         # Reduce order: children finish backward before the units registered before them,
         # until the first reducing backward has shown the real order (`adopt_recorded_order`).
         self.queue = ReduceQueue(self, units, list(reversed(range(self.root))) + [self.root],
-                                 config.overlap_comm)
+                                 backward.overlap_comm)
         self._order_guessed = False
         self.gathered_peak_nbytes = 0
         self._on_cpu = units[-1].device.type == "cpu"
@@ -122,7 +122,7 @@ class Stage3Engine(BackwardSchedule):
 
     def _check_same_unit(self, event: str) -> None:
         """Debug mode: every rank must be at the same gather; name the ranks that are not."""
-        if not self.config.debug:
+        if not self.policy.check_same_unit:
             return
         events = self.comm.all_gather_object(event)
         if len(set(events)) > 1:
@@ -150,10 +150,10 @@ class Stage3Engine(BackwardSchedule):
         if self._recording or ui not in order:
             return
         at = order.index(ui)
-        ahead = order[at + 1: at + 2 + self.config.prefetch_units]
-        for nxt in ahead[:self.config.prefetch_units]:
+        ahead = order[at + 1: at + 2 + self.policy.prefetch_units]
+        for nxt in ahead[:self.policy.prefetch_units]:
             self._gather(nxt, phase, async_op=True)
-        for nxt in ahead[self.config.prefetch_units:]:  # the one after: its shard read from disk meanwhile
+        for nxt in ahead[self.policy.prefetch_units:]:  # the one after: its shard read from disk meanwhile
             self.units[nxt].warm()
 
     # -- forward -----------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class Stage3Engine(BackwardSchedule):
                         t.register_hook(self._make_pre_backward(ui))
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
-            if self.config.reshard_after_forward or not training:
+            if self.policy.reshard_after_forward or not training:
                 self.units[ui].reshard(keep_secondary=self._forward_trains)  # hpZ: a node piece for backward
             if ui == self.root:
                 # Prefetched units that this forward did not run are freed.
@@ -288,7 +288,7 @@ class Stage3Engine(BackwardSchedule):
                 self._unit_done(unit)
         if self.reduces_now:
             self.queue.flush()
-            self.units[-1].home.synchronize()  # offloaded gradient shards: their copies landed
+            self.units[-1].placement.synchronize()  # offloaded gradient shards: their copies landed
             self.queue.adopt_recorded_order()
         if self.forward_order:
             self._recording = False
@@ -325,7 +325,7 @@ class Stage3Engine(BackwardSchedule):
         wait for reductions in flight, drop unreduced gradients, free every gathered unit."""
         super().reset()
         self.queue.wait_all(failed=True)  # no new collective now: the other ranks may not be reducing
-        self.units[-1].home.synchronize()  # offloaded gradient shards: before zero_grad zeroes them
+        self.units[-1].placement.synchronize()  # offloaded gradient shards: before zero_grad zeroes them
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks, self._hooks_owner = None, None

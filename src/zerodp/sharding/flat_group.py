@@ -191,7 +191,7 @@ class FlatParamGroup:
             for p, g in zip(self.params, self.grad_views or [None] * len(self.params)):
                 p.grad = g
 
-    offloaded = False  # the flat buffers live beside the computation ([Note: shard homes] is stage 3's)
+    offloaded = False  # the flat buffers live beside the computation ([Note: placement] is for stage 3)
 
     def offloaded_tensors(self) -> dict:
         return {}

@@ -107,11 +107,11 @@ class FlatUnit:
         self.init_fingerprint = None if sync_from_rank0 else _fingerprint(full_fp32)
         own = self.own_chunk(full_fp32)
         # Where the shards live between uses: [Note: placement] in memory/placement.py.
-        self.home = placement if placement is not None else Placement()
+        self.placement = placement if placement is not None else Placement()
         self.device = device  # where the unit computes: gathers and reductions happen here
         # Long-lived, so outside the C heap: [Note: long-lived host buffers] in memory/hostmem.py.
         self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
-        self.shard = self.home.copy_of(own, compute_dtype, arena="params")
+        self.shard = self.placement.copy_of(own, compute_dtype, arena="params")
         self.full: Optional[torch.Tensor] = None  # the gathered buffer, from the pool, while in use
         self.full_nbytes = self.layout.padded_numel * self.shard.element_size()
         # Allocated at the first backward: a model that is only built or evaluated holds none.
@@ -169,17 +169,17 @@ class FlatUnit:
     def warm(self) -> None:
         """This unit is gathered soon: an offloaded shard on disk starts being read now
         (asynchronous), so that its gather's copy finds it in memory."""
-        if self.state is UnitState.SHARDED and self.home.offloaded:
-            self.home.prefetch([self.shard])
+        if self.state is UnitState.SHARDED and self.placement.offloaded:
+            self.placement.prefetch([self.shard])
 
     def gather_source(self) -> torch.Tensor:
         """The shard as a collective's input: itself on the device; an offloaded one copied
         into a pooled device buffer first (given back by `release_staged`)."""
-        if not self.home.offloaded:
+        if not self.placement.offloaded:
             return self.shard
         if self._staged is None:
             self._staged = self.pool.get(self.shard.numel(), self.shard.dtype, self.device)
-            self.home.stage_in(self.shard, self._staged)
+            self.placement.stage_in(self.shard, self._staged)
         return self._staged
 
     def release_staged(self) -> None:
@@ -288,8 +288,8 @@ class FlatUnit:
 
     def finish_reduce(self, accumulate: bool) -> None:
         """After the reduce-scatter has completed: add it to the shard, free the buffer."""
-        if self.grad_full is not None and self.home.offloaded:  # [Note: placement]
-            self.home.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full), add=accumulate)
+        if self.grad_full is not None and self.placement.offloaded:  # [Note: placement]
+            self.placement.land(self.ensure_grad_shard(), self.own_chunk(self.grad_full), add=accumulate)
         elif accumulate and self.grad_full is not None:
             self.ensure_grad_shard().add_(self.own_chunk(self.grad_full))
         if not self.empty:
@@ -299,7 +299,7 @@ class FlatUnit:
     def reduced_chunk(self, accumulate: bool) -> torch.Tensor:
         """Where the last reduce-scatter put this rank's chunk, before `finish_reduce`: the
         gradient shard itself, unless it accumulates or lives off the device."""
-        if accumulate or self.home.offloaded:
+        if accumulate or self.placement.offloaded:
             return self.own_chunk(self.grad_full)
         return self.ensure_grad_shard()
 
@@ -316,14 +316,14 @@ class FlatUnit:
 
     def ensure_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = self.home.zeros(self.layout.shard_numel, self.reduce_dtype, self.device, arena="grads")
+            self.grad_shard = self.placement.zeros(self.layout.shard_numel, self.reduce_dtype, self.device, arena="grads")
         return self.grad_shard
 
     def zero_grad_shard(self, readable: bool = False) -> None:
         """`readable`: the zeros may be read before a reduction overwrites them (a step right
         after zero_grad(set_to_none=False)), so a shard on disk is written too."""
         self.grad_fresh = True
-        if self.grad_shard is not None and (self.home.kind != "disk" or readable):  # on disk: see `grad_fresh`
+        if self.grad_shard is not None and (self.placement.kind != "disk" or readable):  # on disk: see `grad_fresh`
             self.grad_shard.zero_()
 
     def clear_grads(self, indices: list[int]) -> None:
@@ -333,7 +333,7 @@ class FlatUnit:
         if len(indices) == len(self.params):
             self.zero_grad_shard()
         elif self.grad_shard is not None:
-            if self.grad_fresh and self.home.kind == "disk":  # stale bytes: make them the zeros they stand for
+            if self.grad_fresh and self.placement.kind == "disk":  # stale bytes: make them the zeros they stand for
                 self.grad_shard.zero_()
                 self.grad_fresh = False
             for i in indices:
@@ -381,7 +381,7 @@ class FlatUnit:
 
     def offloaded_tensors(self) -> dict:
         """The shards kept off the device, by placement ("host" or "disk")."""
-        return {self.home.kind: [self.shard, self.grad_shard]} if self.home.offloaded else {}
+        return {self.placement.kind: [self.shard, self.grad_shard]} if self.placement.offloaded else {}
 
 
 class UnitGroupView:
@@ -422,9 +422,9 @@ class UnitGroupView:
         """Nothing to publish: stage 3 gathers parameters when a unit next runs. A copy hpZ
         kept of the old values is dropped; offloaded pieces just written and read leave RAM."""
         self.unit.drop_secondary()
-        if self.unit.home.offloaded:
+        if self.unit.placement.offloaded:
             grads = self.owned_grads() if self.unit.grad_shard is not None else []
-            self.unit.home.release([*self.owned_params(), *grads])
+            self.unit.placement.release([*self.owned_params(), *grads])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.unit.zero_grad_shard(readable=not set_to_none)
@@ -438,4 +438,4 @@ class UnitGroupView:
     @property
     def offloaded(self) -> bool:
         """The shards live off the device ([Note: placement]): their own fp32 master can stay there."""
-        return self.unit.home.offloaded
+        return self.unit.placement.offloaded

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import Config
+from ..policies import PrecisionPolicy
 from ..distributed import Comm
 
 __all__ = ["apply_compute_dtype", "check_param_dtypes", "replicate_from_rank0"]
@@ -51,15 +51,15 @@ def apply_compute_dtype(model: nn.Module, dtype: torch.dtype, skip: set, cast_bu
         model.register_forward_pre_hook(_cast_forward_inputs(dtype), with_kwargs=True)
 
 
-def check_param_dtypes(named: list, config: Config) -> None:
+def check_param_dtypes(named: list, precision: PrecisionPolicy) -> None:
     """Trainable parameters are fp32 (the master's dtype) or already in the compute dtype;
     any other would silently be rounded (float64) or change dtype (bf16 under fp32) in the
     flat buffers."""
-    allowed = {torch.float32, config.compute_dtype}
+    allowed = {torch.float32, precision.compute_dtype}
     bad = [(n, p.dtype) for n, p in named if p.dtype not in allowed]
     if bad:
         shown = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in bad[:3])
         raise TypeError(f"trainable parameters {shown}{' ...' if len(bad) > 3 else ''} are neither float32 nor "
-                        f"the compute dtype of Config.mixed_precision={config.mixed_precision!r}: zerodp keeps "
-                        f"an fp32 master and computes in {config.compute_dtype}, so they would be rounded or change dtype. Cast "
+                        f"the compute dtype of Config.mixed_precision={precision.name!r}: zerodp keeps "
+                        f"an fp32 master and computes in {precision.compute_dtype}, so they would be rounded or change dtype. Cast "
                         f"them (model.float()) or freeze them (requires_grad_(False)) before zerodp.initialize")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..config import Config
+from ..policies import OffloadPolicy, PrecisionPolicy, UnitPolicy, ZeroPPPolicy
 from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.diskmem import Arena
@@ -45,53 +45,66 @@ class ShardedUnits:
     placement: Placement  # where the units' shards live (Config.offload_params)
 
 
-def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
-                   config: Config) -> FlatGroups:
+def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, stage: int,
+                   precision: PrecisionPolicy, bucket_bytes: int) -> FlatGroups:
     """Replicate the model from rank 0, cast what stays replicated, and lay out each param
     group's parameters in one flat buffer."""
     trainable = {id(p) for _, p in named}
     replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
-    apply_compute_dtype(model, config.compute_dtype, skip=trainable, cast_buffers=config.cast_buffers)
+    apply_compute_dtype(model, precision.compute_dtype, skip=trainable, cast_buffers=precision.cast_buffers)
     # Backward finishes parameters roughly in reverse registration order; laying each group
     # out in that order lets its buckets fill one after another.
     backward_order = {id(p): len(named) - 1 - i for i, (_, p) in enumerate(named)}
     groups = []
     for idx in group_indices:
         idx = sorted(idx, reverse=True)
-        groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm, config.stage,
-                                     config.compute_dtype, config.grad_reduce_dtype, config.bucket_bytes))
+        groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm, stage,
+                                     precision.compute_dtype, precision.reduce_dtype, bucket_bytes))
     return FlatGroups(groups, backward_order)
 
 
-def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm,
-                config: Config) -> ShardedUnits:
+@dataclass(frozen=True)
+class _UnitBuild:
+    """What building the units needs besides the model: the Config's parts."""
+
+    comm: Comm
+    precision: PrecisionPolicy
+    zeropp: ZeroPPPolicy
+    placement: Placement
+
+
+def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, units_policy: UnitPolicy,
+                precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy) -> ShardedUnits:
     """Split `model` into units and shard each unit's trainable parameters. A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
     directory opened here is closed again if anything fails."""
-    units = select_units(model, config.unit_modules, config.unit_min_params)
+    units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params)
     assignment = assign_params(model, units, named)
     # A unit with no trainable parameter is not built, except the root, whose hooks begin
     # and end every pass (it may own none: `unit_modules=(nn.Linear,)` leaves it nothing).
     to_build = [ui for ui, idx in enumerate(assignment) if idx or ui == len(units) - 1]
-    placement = shard_placement(config, comm, [[named[i][1].shape for i in assignment[ui]] for ui in to_build])
+    placement = shard_placement(offload, precision, comm,
+                                [[named[i][1].shape for i in assignment[ui]] for ui in to_build])
     try:
-        return _shard_units(model, named, group_indices, comm, config, units, assignment, to_build, placement)
+        return _shard_units(model, named, group_indices, _UnitBuild(comm, precision, zeropp, placement), units,
+                            assignment, to_build)
     except BaseException:
         placement.close()  # the directory can be used again at once
         raise
 
 
-def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, config: Config,
-                 units: list, assignment: list, to_build: list, placement: Placement) -> ShardedUnits:
+def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], build_with: _UnitBuild,
+                 units: list, assignment: list, to_build: list) -> ShardedUnits:
+    comm, precision, placement = build_with.comm, build_with.precision, build_with.placement
     names = [n for n, _ in named]
     unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
     remaining = [len(idx) for idx in assignment]
     current = {i: p for i, (_, p) in enumerate(named)}
     built: dict[int, FlatUnit] = {}
     pool, secondary_pool = BufferPool(), BufferPool()
-    transfer = training_collectives(comm, config)
-    secondary = SecondaryPartition(comm.collectives("node"), secondary_pool) if config.hpz else None
+    transfer = training_collectives(comm, build_with.zeropp)
+    secondary = SecondaryPartition(comm.collectives("node"), secondary_pool) if build_with.zeropp.hpz else None
     # A model born on the meta device is initialised identically on every rank from the
     # seed (meta_init.py), so its units need no broadcast from rank 0.
     born_sharded = has_meta(model)
@@ -99,7 +112,7 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
     def build(ui: int) -> None:
         idx = assignment[ui]
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
-                             comm, config.compute_dtype, config.grad_reduce_dtype, pool,
+                             comm, precision.compute_dtype, precision.reduce_dtype, pool,
                              sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
                              placement=placement)
         if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
@@ -128,7 +141,7 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
         u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
     sharded = {id(p) for u in flat_units for p in u.params}
     replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
-    apply_compute_dtype(model, config.compute_dtype, skip=sharded, cast_buffers=config.cast_buffers)
+    apply_compute_dtype(model, precision.compute_dtype, skip=sharded, cast_buffers=precision.cast_buffers)
     name_index = {n: i for i, n in enumerate(names)}
     group_views = []
     for idx in group_indices:
@@ -143,30 +156,30 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
                         secondary_pool, placement)
 
 
-def shard_placement(config: Config, comm: Comm, unit_shapes: list) -> Placement:
+def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_shapes: list) -> Placement:
     """Where the units' shards live (Config.offload_params; [Note: placement] in
     memory/placement.py). On disk, the parameter and gradient shard of every unit to be
     built (`unit_shapes`: the shapes of each one's parameters) is reserved now, so that a
     disk too small fails here, on every rank, before any unit is built."""
-    if config.offload_params != "disk":
-        return open_placement(config.offload_params, comm)
+    if offload.params != "disk":
+        return open_placement(offload.params, comm)
     # The layout each unit is built with: a unit with no parameter still keeps a shard of
     # one element per rank (its layout is padded to the shard size), as FlatUnit lays it out.
     numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel for shapes in unit_shapes]
     reserve = [(purpose, Arena.nbytes_for([(n, dtype) for n in numels]))
-               for purpose, dtype in (("params", config.compute_dtype), ("grads", config.grad_reduce_dtype))]
-    return open_placement("disk", comm, config.offload_dir, reserve=reserve,
+               for purpose, dtype in (("params", precision.compute_dtype), ("grads", precision.reduce_dtype))]
+    return open_placement("disk", comm, offload.directory, reserve=reserve,
                           what="placing the parameter shards (Config.offload_params='disk')")
 
 
-def training_collectives(comm: Comm, config: Config):
+def training_collectives(comm: Comm, zeropp: ZeroPPPolicy):
     """The strategy of stage 3's training gathers and reduce-scatters: ZeRO++'s quantized
     one where Config asks for qwZ or qgZ ([Note: blockwise quantization] in
     distributed/quantized.py), else the shard axis's own."""
     exact = comm.collectives("shard")
-    if not config.quantize_weights and config.quantize_grads is None:
+    if not zeropp.quantized:
         return exact
-    hierarchical = config.quantize_grads is not None
-    return QuantizedCollectives(exact, 8 if config.quantize_weights else None, config.grad_quantization_bits,
-                                config.quantize_block_size, comm.collectives("node") if hierarchical else None,
+    hierarchical = zeropp.grad_bits is not None
+    return QuantizedCollectives(exact, zeropp.weight_bits, zeropp.grad_bits,
+                                zeropp.block_size, comm.collectives("node") if hierarchical else None,
                                 comm.collectives("cross_node") if hierarchical else None)

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..config import Config
+from ..policies import TensorParallelPolicy
 from ..distributed import Comm
 from .activations import CheckpointStore
 from .inputs import InputFingerprint
@@ -31,11 +31,11 @@ class TensorParallelModel:
     inputs: Optional[InputFingerprint] = None
 
 
-def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[TensorParallelModel]:
+def parallelize(model: nn.Module, comm: Comm, policy: TensorParallelPolicy) -> Optional[TensorParallelModel]:
     """Split `model` in place by its plan (tensor_parallel_size > 1) and install the checkpoint
     store (partition_activations / activations_on_host); None when neither is asked for."""
     split, inputs = frozenset(), None
-    if config.tensor_parallel_size > 1:
+    if policy.size > 1:
         _same_on_every_tp_rank(model, comm)
         split = apply_tensor_parallel(model, comm)
         inputs = InputFingerprint(comm)
@@ -43,8 +43,8 @@ def parallelize(model: nn.Module, comm: Comm, config: Config) -> Optional[Tensor
     store = None
     # Under tensor parallelism the store also keeps whole checkpoints (no Pa), so that the
     # ledger counts them either way.
-    if config.tensor_parallel_size > 1 or config.partition_activations or config.activations_on_host:
-        store = CheckpointStore(comm, config.partition_activations, config.activations_on_host)
+    if policy.size > 1 or policy.partition_activations or policy.activations_on_host:
+        store = CheckpointStore(comm, policy.partition_activations, policy.activations_on_host)
         store.install(model)
     if not split and store is None:
         return None

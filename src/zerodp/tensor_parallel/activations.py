@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..distributed import Comm
+from ..memory.placement import Placement
 
 __all__ = ["CheckpointStore"]
 
@@ -93,7 +94,7 @@ class CheckpointStore:
             kept = data
         on_host = self.on_host and not keep_whole
         if on_host:
-            host = torch.empty(kept.shape, dtype=kept.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+            host = Placement("host", pinned=self.device.type == "cuda").staging(kept.shape, kept.dtype)
             kept = host.copy_(kept, non_blocking=True)
         item = _Kept(data.shape, data.numel(), kept, partitioned, on_host, t._version)
         self._remember(item, t)
