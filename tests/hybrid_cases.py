@@ -1,5 +1,9 @@
-"""Hybrid sharding (Config.replicate_size=2 at world size 4: 2 rows x 2 shards), inside one
-spawned world (test_hybrid.py)."""
+"""Hybrid sharding (Config.replicate_size=2 at world size 4: 2 rows x 2 shards), a case per
+test in the session's world of 4 (test_hybrid.py, worldpool.py).
+
+Each case returns plain numbers; the tests assert on them in the parent process. Parity
+with DDP is compared at every step (parity.StepTrace): every parameter and the loss.
+"""
 from __future__ import annotations
 
 import json
@@ -9,56 +13,87 @@ import torch
 
 import zerodp
 from core_cases import OPTIMIZERS, SMALL_BUCKET, Net, max_rel_diff, train_reference, train_zerodp
+from parity import StepTrace
 from zerodp.memory import formula_bytes
 
 STATE_BYTES = {"sgd": 4, "adamw": 8}  # momentum; exp_avg + exp_avg_sq (fp32)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def as_two_nodes(rank: int) -> None:
-    """What torchrun would say for 2 nodes of 2 ranks (the harness starts no torchrun)."""
+    """What torchrun would say for 2 nodes of 2 ranks (the harness starts no torchrun).
+    The world restores os.environ after each case (worldpool.py)."""
     os.environ.update({"LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "GROUP_RANK": str(rank // 2)})
 
 
-def hybrid_world(rank: int, world_size: int, root: str) -> dict:
+def step_bytes(opt) -> dict:
+    """The ledger's summary of the last training step without the snapshots parity.StepTrace
+    takes between steps: a stage-3 state_dict gathers each unit through its own collectives
+    (phase "checkpoint"), which land in the next step's records. No training step
+    communicates in that phase."""
+    ledger = opt.comm.ledger
+    return ledger.summary([r for r in ledger.last_step if r.phase != "checkpoint"])
+
+
+def hybrid_config(stage: int, **fields) -> zerodp.Config:
+    return zerodp.Config(stage=stage, replicate_size=2, bucket_bytes=SMALL_BUCKET,
+                         **({"unit_min_params": 10} if stage == 3 else {}), **fields)
+
+
+def _against_ddp(rank: int, opt_name: str, cfg: zerodp.Config, precision: str = "fp32", micro_batches: int = 1):
+    """DDP and zerodp on the same batches, each traced at every step; the final parameters
+    compared as a whole too (gathered)."""
+    ref_trace, trace = StepTrace(), StepTrace()
+    ref, ref_losses, _ = train_reference(Net, OPTIMIZERS[opt_name], DTYPES[precision], rank, trace=ref_trace)
+    model, opt, losses, _, _ = train_zerodp(Net, OPTIMIZERS[opt_name], cfg, rank, trace=trace,
+                                            micro_batches=micro_batches)
+    with zerodp.gathered_parameters(model):
+        diff = max_rel_diff(model, ref)
+    return model, opt, {
+        "per_step": trace.compare(ref_trace), "diff": diff,
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses))}
+
+
+def parity_case(rank: int, world_size: int, stage: int, opt_name: str) -> dict:
+    """fp32, stage 1-3, one optimizer: parity with DDP, the stage formula over a row and the
+    bytes per axis and link."""
     as_two_nodes(rank)
-    out: dict = {}
-    for stage in (1, 2, 3):
-        for name, opt_fn in OPTIMIZERS.items():
-            cfg = zerodp.Config(stage=stage, replicate_size=2, bucket_bytes=SMALL_BUCKET,
-                                **({"unit_min_params": 10} if stage == 3 else {}))
-            ref, ref_losses, _ = train_reference(Net, opt_fn, torch.float32, rank)
-            model, opt, losses, _, volumes = train_zerodp(Net, opt_fn, cfg, rank)
-            with zerodp.gathered_parameters(model):
-                diff = max_rel_diff(model, ref)
-            mem = opt.memory_report()
-            formula = formula_bytes(stage, mem.padded_numel, 2, 4, 4, 0, STATE_BYTES[name])
-            out[(stage, name)] = {
-                "diff": diff, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                "topology": (opt.comm.shard_size, opt.comm.topology.replicate_size),
-                "memory": {k: getattr(mem, k) for k in formula}, "formula": formula,
-                "by_axis": volumes[-1]["nbytes_by_axis"], "by_link": volumes[-1]["nbytes_by_link"],
-                "padded_numel": mem.padded_numel,
-                "padding_state_nbytes": (mem.padded_numel - mem.numel) * STATE_BYTES[name]}
-    # Stage 3 without hybrid sharding over the same 2 nodes: its one axis spans them.
+    _, opt, out = _against_ddp(rank, opt_name, hybrid_config(stage))
+    volume = step_bytes(opt)
+    mem = opt.memory_report()
+    formula = formula_bytes(stage, mem.padded_numel, 2, 4, 4, 0, STATE_BYTES[opt_name])
+    out.update({
+        "topology": (opt.comm.shard_size, opt.comm.topology.replicate_size),
+        "memory": {k: getattr(mem, k) for k in formula}, "formula": formula,
+        "by_axis": volume["nbytes_by_axis"], "by_link": volume["nbytes_by_link"],
+        "padded_numel": mem.padded_numel,
+        "padding_state_nbytes": (mem.padded_numel - mem.numel) * STATE_BYTES[opt_name]})
+    return out
+
+
+def flat_stage3_case(rank: int, world_size: int) -> dict:
+    """Stage 3 without hybrid sharding over the same 2 nodes: its one axis spans them."""
+    as_two_nodes(rank)
     model, opt, _, _, volumes = train_zerodp(Net, OPTIMIZERS["sgd"], zerodp.Config(stage=3, unit_min_params=10), rank)
-    out["flat_stage3"] = {"by_axis": volumes[-1]["nbytes_by_axis"], "by_link": volumes[-1]["nbytes_by_link"],
-                          "padded_numel": opt.memory_report().padded_numel}
-    # bf16 and fp16 (AdamW, stages 2 and 3): the rows' all-reduce of the 16-bit shard too.
-    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        for stage in (2, 3):
-            cfg = zerodp.Config(stage=stage, replicate_size=2, mixed_precision=precision, bucket_bytes=SMALL_BUCKET,
-                                **({"unit_min_params": 10} if stage == 3 else {}))
-            ref, ref_losses, _ = train_reference(Net, OPTIMIZERS["adamw"], dtype, rank)
-            model, opt, losses, _, _ = train_zerodp(Net, OPTIMIZERS["adamw"], cfg, rank)
-            with zerodp.gathered_parameters(model):
-                out[(precision, stage)] = {"diff": max_rel_diff(model, ref), "skipped": opt.skipped_steps,
-                                           "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses))}
-    # Accumulation over 2 micro-batches at stage 2, reduced per micro-batch.
-    cfg = zerodp.Config(stage=2, replicate_size=2, bucket_bytes=SMALL_BUCKET, grad_accumulation_steps=2)
-    ref, _, _ = train_reference(Net, OPTIMIZERS["sgd"], torch.float32, rank)
-    model, opt, _, _, _ = train_zerodp(Net, OPTIMIZERS["sgd"], cfg, rank, micro_batches=2)
-    out["accumulation"] = max_rel_diff(model, ref)
-    # A checkpoint saved with hybrid sharding: written by row 0 only, loads without it.
+    return {"by_axis": volumes[-1]["nbytes_by_axis"], "by_link": volumes[-1]["nbytes_by_link"],
+            "padded_numel": opt.memory_report().padded_numel}
+
+
+def low_precision_case(rank: int, world_size: int, precision: str, stage: int) -> dict:
+    """bf16 or fp16, AdamW, stage 2 or 3: the rows' all-reduce of the 16-bit shard too."""
+    as_two_nodes(rank)
+    _, opt, out = _against_ddp(rank, "adamw", hybrid_config(stage, mixed_precision=precision), precision)
+    out["skipped"] = opt.skipped_steps
+    return out
+
+
+def accumulation_and_checkpoint_case(rank: int, world_size: int, root: str) -> dict:
+    """Accumulation over 2 micro-batches at stage 2, reduced per micro-batch, against DDP on
+    the whole batch; then a checkpoint of that run: written by row 0 only, loads without
+    hybrid sharding."""
+    as_two_nodes(rank)
+    cfg = hybrid_config(2, grad_accumulation_steps=2)
+    model, opt, out = _against_ddp(rank, "sgd", cfg, micro_batches=2)
     path = os.path.join(root, "hybrid")
     zerodp.save(path, model, opt)
     with open(os.path.join(path, "metadata.json")) as f:
