@@ -362,3 +362,21 @@ def test_bench_missing_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "find_bench", lambda: None)
     assert cli.main(["bench", "--quick"]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_train_refuses_a_config_file_that_the_flags_make_ineffective_in_one_line(tmp_path, capsys, monkeypatch):
+    # `zerodp train` checks the Config before launching, so that a bad one is one usage line
+    # rather than a traceback from every rank: the file with the flags applied on top (here
+    # --precision bf16 over a file that tunes fp16's loss scale, which then has no effect).
+    config = tmp_path / "fp16.json"
+    config.write_text(json.dumps({"mixed_precision": "fp16", "loss_scale": 1024}))
+    launched = []
+    monkeypatch.setattr(cli, "run_child", lambda cmd, env=None: launched.append(cmd) or 0)
+    try:
+        code = cli.main(["train", "--nproc", "1", "--config", str(config), "--precision", "bf16",
+                         "--out", str(tmp_path / "run")])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert not launched, "launched ranks that will each fail building the Config"
+    assert code == 2 and "loss_scale" in err and "Traceback" not in err

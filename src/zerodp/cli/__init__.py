@@ -94,18 +94,16 @@ def check_train_flags(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     import time
 
-    from zerodp.config import Config
-    from zerodp.demo.train import add_arguments, to_argv
+    from zerodp.demo.train import add_arguments, build_config, to_argv
 
     nproc = check_nproc(args.nproc)
     check_train_flags(args)
-    if args.config:
-        if not os.path.isfile(args.config):
-            raise UsageError(f"--config {args.config}: no such file")
-        try:  # a bad file is a one-line usage error here, not a traceback from every rank
-            Config.from_file(args.config)
-        except Exception as e:  # ConfigError, JSON/YAML syntax
-            raise UsageError(f"--config {args.config}: {e}") from None
+    if args.config and not os.path.isfile(args.config):
+        raise UsageError(f"--config {args.config}: no such file")
+    try:  # a bad file, or flags that leave a setting of it without effect, is a one-line usage
+        build_config(args)  # error here, not a traceback from every rank
+    except Exception as e:  # ConfigError, JSON/YAML syntax
+        raise UsageError(f"--config {args.config}: {e}" if args.config else str(e)) from None
     if args.resume and not args.ckpt_dir and not args.out:
         raise UsageError("--resume needs --ckpt-dir (or the --out of the run to continue)")
     if args.max_restarts < 0:

@@ -184,7 +184,11 @@ class Trainer(transformers.Trainer):
             raise ConfigError(f"TrainingArguments asks for {wanted} and zerodp_config.mixed_precision is "
                               f"{self.zerodp_config.mixed_precision!r}: set one of them")
         if wanted is not None:
-            self.zerodp_config = dataclasses.replace(self.zerodp_config, mixed_precision=wanted)
+            try:
+                self.zerodp_config = dataclasses.replace(self.zerodp_config, mixed_precision=wanted)
+            except ConfigError as e:  # a setting of the Config has no effect at the Trainer's precision
+                raise ConfigError(f"TrainingArguments({wanted}=True) sets zerodp_config.mixed_precision={wanted!r}, "
+                                  f"and then {e}") from None
         # The Trainer calls accelerator.backward(loss); zerodp's optimizer does the backward
         # (the fp16 loss scale, its accumulation window).
         self.accelerator.backward = self._zerodp_backward

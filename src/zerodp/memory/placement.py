@@ -159,9 +159,6 @@ def open_placement(kind: str, comm, offload_dir=None, *, files: Optional[Offload
         return Placement("host", pinned=comm.device.type == "cuda")
     opened, placement, problem = None, None, None
     try:
-        if comm.device.type != "cpu":
-            raise NotImplementedError(f"{what}: disk offload runs on CPU only so far; the parameters are on "
-                                      f"{comm.device}: offload to 'host' there")
         opened = files if files is not None else OffloadDir(offload_dir, comm.rank)
         arenas = {purpose: opened.arena(nbytes) for purpose, nbytes in reserve}
         placement = Placement("disk", files=opened, arenas=arenas)
