@@ -19,6 +19,7 @@ from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
 from .optim import ZeroOptimizer
+from .optim.optimizer import ShardedModel
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
@@ -133,9 +134,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         try:
             schedule = Stage3Engine(sharded.units, comm, config.backward, config.units, sharded.pool,
                                     sharded.secondary_pool)
-            opt = ZeroOptimizer(inner, sharded.group_views, comm, config, schedule, trainable=sharded.trainable,
-                                group_indices=group_indices, stage3=schedule, files=sharded.placement.files,
-                                tensor_parallel=tensor_parallel)
+            opt = ZeroOptimizer(inner, ShardedModel(sharded.group_views, sharded.trainable, group_indices, schedule,
+                                                    stage3=schedule, files=sharded.placement.files,
+                                                    tensor_parallel=tensor_parallel), comm, config)
         except BaseException:
             sharded.placement.close()  # the directory can be used again at once
             raise
@@ -150,8 +151,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         model.register_forward_pre_hook(lambda module, args: reducer.check_no_open_backward())
         model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
                                     if torch.is_grad_enabled() else None)
-        opt = ZeroOptimizer(inner, [[g] for g in flat.groups], comm, config, reducer, trainable=named,
-                            group_indices=group_indices, tensor_parallel=tensor_parallel)
+        opt = ZeroOptimizer(inner, ShardedModel([[g] for g in flat.groups], named, group_indices, reducer,
+                                                tensor_parallel=tensor_parallel), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))

@@ -40,6 +40,20 @@ from .streaming import GradStreamer
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """What initialize built for the optimizer: the sharded storages and the schedule that
+    fills their gradients."""
+
+    storages: Sequence[Sequence[ShardStorage]]  # per param group: its flat group, or its parts of units
+    trainable: list  # (name, parameter) of everything sharded, as at initialize
+    group_indices: list  # per param group: its parameters' indices in `trainable`
+    schedule: object  # the reducer (stages 0-2) or the stage-3 engine: micro_step, grads_ready
+    stage3: object = None  # the stage-3 engine, for gathered_parameters and the ledger
+    files: object = None  # the offload directory stage 3's shards opened (the optimizer's states join them)
+    tensor_parallel: object = None  # zerodp.tensor_parallel.TensorParallelModel: split parameters, Pa's store
+
+
 @dataclasses.dataclass
 class _Window:
     """What the loop did since the last step; started over by each step (and zero_grad)."""
@@ -61,22 +75,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     rank's shard instead; their hyperparameters are copied from the user's before every
     inner step (`ShardStepper.sync_hyperparameters`), so the user's groups are the only ones to edit."""
 
-    def __init__(self, inner: torch.optim.Optimizer, storages: Sequence[Sequence[ShardStorage]],
-                 comm: Comm, config: Config, grad_sync, trainable: list, group_indices: list, stage3=None,
-                 files=None, tensor_parallel=None):
+    def __init__(self, inner: torch.optim.Optimizer, sharded: ShardedModel, comm: Comm, config: Config):
         self.comm, self.config = comm, config
-        # zerodp.tensor_parallel.TensorParallelModel: the split parameters, Pa's checkpoint store.
-        self.tensor_parallel = tensor_parallel
-        self.trainable = trainable  # (name, parameter) of everything sharded, as at initialize
+        self.tensor_parallel = sharded.tensor_parallel
+        self.trainable = sharded.trainable
         self.param_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                              "params": [trainable[i][1] for i in idx]}
-                             for g, idx in zip(inner.param_groups, group_indices)]
+                              "params": [sharded.trainable[i][1] for i in idx]}
+                             for g, idx in zip(inner.param_groups, sharded.group_indices)]
         # How state dicts cut the sharded states into DTensors: [Note: row shards].
         self.rows = RowSharding(comm, sharded=config.stage >= 1)
-        self.grad_sync = grad_sync  # reducer (stages 0-2) or stage-3 engine: micro_step, grads_ready
-        self.stage3 = stage3
-        stepper = build_stepper(inner, storages, comm, config.offload, config.compute_dtype, config.bucket_bytes,
-                                files)
+        self.grad_sync = sharded.schedule
+        self.stage3 = sharded.stage3
+        stepper = build_stepper(inner, sharded.storages, comm, config.offload, config.compute_dtype,
+                                config.bucket_bytes, sharded.files)
         # [Note: delayed parameter update] in delayed.py (Config.delayed_update_after).
         after = config.delayed_update_after
         self.stepper = DelayedStepper(stepper, after, comm) if after is not None else stepper
@@ -90,10 +101,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._window = _Window()
         self.step_count = 0
         self.last_grad_norm = None
-        self._replicated = (replicated_runs(stepper.all_shards(), tensor_parallel.split_names)
-                            if tensor_parallel is not None else None)
+        self._replicated = (replicated_runs(stepper.all_shards(), self.tensor_parallel.split_names)
+                            if self.tensor_parallel is not None else None)
         self.streamer = GradStreamer(stepper.all_shards() if after is None else [])
-        grad_sync.on_final_grads = self.streamer.on_final_grads  # [Note: gradient streaming]
+        self.grad_sync.on_final_grads = self.streamer.on_final_grads  # [Note: gradient streaming]
 
     @property
     def inner(self) -> torch.optim.Optimizer:
