@@ -1,8 +1,9 @@
 """Hugging Face client models (GPT-2, Llama, BERT) trained with zerodp against torch DDP.
 
-Run inside one spawned world per world size (see test_hf_models.py). Every model is
+A case per test in the session's worlds (test_hf_models.py, worldpool.py). Every model is
 built from a tiny config, so nothing is downloaded. Each case returns plain numbers; the
-tests assert on them in the parent process.
+tests assert on them in the parent process. Runs against DDP are traced at every step
+(parity.StepTrace); the DDP run of a model is memoized in the worker (`reference`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: 
 
 import zerodp  # noqa: E402
 from core_cases import max_rel_diff, train_reference, train_zerodp  # noqa: E402
+from hybrid_cases import as_two_nodes  # noqa: E402
+from parity import StepTrace  # noqa: E402
 from stage3_cases import full_params, rel  # noqa: E402
 
 STEPS = 3
@@ -158,7 +161,33 @@ def _initial(builder, dtype) -> dict:
     return {n: p.detach().to(dtype).float() for n, p in builder().named_parameters()}
 
 
-def _run(builder, loss_of, opt_fn, cfg, rank, ref, ref_losses, init):
+OPTS = {"adamw": adamw, "sgd": sgd}
+
+# This worker's DDP runs, by (rank, model, precision, optimizer): the worlds live for the
+# session (worldpool.py), and one DDP run of a model serves every stage and unit choice of
+# the grid and the user path, as it did when they ran in one world. Every rank runs the same
+# cases in the same order, so every rank has the same keys (DDP's construction is collective).
+_REFERENCES: dict = {}
+
+
+def reference(rank: int, name: str, precision: str, opt_name: str = "adamw") -> dict:
+    key = (rank, name, precision, opt_name)
+    if key not in _REFERENCES:
+        builder, loss_of, _ = MODELS[name]
+        dtype = zerodp.Config(mixed_precision=precision).compute_dtype
+        trace = StepTrace()
+        ref, losses, _ = train_reference(builder, OPTS[opt_name], dtype, rank, steps=STEPS, loss_of=loss_of,
+                                         trace=trace)
+        _REFERENCES[key] = {"module": ref, "losses": losses, "trace": trace, "params": _ref_params(ref),
+                            "init": _initial(builder, dtype)}
+    return _REFERENCES[key]
+
+
+def _params_of(model, stage: int) -> dict:
+    return full_params(model) if stage == 3 else _ref_params(model)
+
+
+def _run(builder, loss_of, opt_fn, cfg, rank, ref):
     dtypes = set()
 
     def loss_and_dtype(model, step, rank):
@@ -166,16 +195,18 @@ def _run(builder, loss_of, opt_fn, cfg, rank, ref, ref_losses, init):
         dtypes.add(str(loss.dtype).replace("torch.", ""))  # BERT's MLM loss stays bf16; GPT-2's, Llama's are fp32
         return loss
 
-    model, opt, losses, _, _ = train_zerodp(builder, opt_fn, cfg, rank, steps=STEPS, loss_of=loss_and_dtype)
-    want = _ref_params(ref)
+    trace = StepTrace()
+    model, opt, losses, _, _ = train_zerodp(builder, opt_fn, cfg, rank, steps=STEPS, loss_of=loss_and_dtype,
+                                            trace=trace)
+    want = ref["params"]
+    got = _params_of(model, cfg.stage)
     if cfg.stage == 3:
-        got = full_params(model)
         r = {"params": rel(got, want), "units": _units_of(opt)}
     else:
-        got = _ref_params(model)
-        r = {"params": max_rel_diff(model, ref)}
-    r.update(loss=_loss_diff(losses, ref_losses), losses=losses, ref_losses=ref_losses, checksum=_checksum(got),
-             update_rel=_update_rel(got, want, init), loss_dtype=",".join(sorted(dtypes)))
+        r = {"params": max_rel_diff(model, ref["module"])}
+    r.update(per_step=trace.compare(ref["trace"]), loss=_loss_diff(losses, ref["losses"]), losses=losses,
+             ref_losses=ref["losses"], checksum=_checksum(got), update_rel=_update_rel(got, want, ref["init"]),
+             loss_dtype=",".join(sorted(dtypes)))
     return model, opt, r
 
 
@@ -188,42 +219,47 @@ def _generate(model, prompt) -> list:
     return out[0].tolist()
 
 
-def hf_world(rank, world_size):
-    out = {}
-    prompt = torch.randint(5, VOCAB - 1, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
-    for name, (builder, loss_of, block) in MODELS.items():
-        # bf16 at N <= 2 only (its tolerance argument is the same at N=4; fp32 covers N=4).
+def grid(world_size: int) -> list:
+    """(model, precision, stage, variant) of every parity case at this world size: stages 1
+    and 2 ("flat"), stage 3 with automatic units, the block class named, and size-based
+    units; plus plain SGD at stage 3 on GPT-2. bf16 at N <= 2 only (its tolerance argument
+    is the same at N=4; fp32 covers N=4)."""
+    cells = []
+    for name in MODELS:
         for precision in ("fp32", "bf16") if world_size <= 2 else ("fp32",):
-            dtype = zerodp.Config(mixed_precision=precision).compute_dtype
-            # One DDP reference per model and precision serves every stage: it is the same run.
-            ref, ref_losses, _ = train_reference(builder, adamw, dtype, rank, steps=STEPS, loss_of=loss_of)
-            init = _initial(builder, dtype)
-            for stage in (1, 2):
-                cfg = zerodp.Config(stage=stage, mixed_precision=precision)
-                _, _, out[(name, precision, stage, "flat")] = _run(builder, loss_of, adamw, cfg, rank, ref,
-                                                                   ref_losses, init)
-            for variant, units in (("auto", ()), ("named", (block,))):
-                cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=units)
-                model, _, r = _run(builder, loss_of, adamw, cfg, rank, ref, ref_losses, init)
-                if variant == "auto" and precision == "fp32" and name != "bert":
-                    # Greedy decoding is discontinuous (an argmax), so it is compared only
-                    # where the two models differ by reduction order alone (fp32, ~1e-7).
-                    r["generated"] = _generate(model, prompt)
-                    r["ref_generated"] = _generate(ref, prompt)
-                out[(name, precision, 3, variant)] = r
-            cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_min_params=UNIT_MIN_PARAMS)
-            _, _, out[(name, precision, 3, "size")] = _run(no_hint(builder), loss_of, adamw, cfg, rank, ref,
-                                                           ref_losses, init)
-    # Plain SGD at stage 3: sensitive to the scale of the reduced gradient.
-    builder, loss_of, _ = MODELS["gpt2"]
-    ref, ref_losses, _ = train_reference(builder, sgd, torch.float32, rank, steps=STEPS, loss_of=loss_of)
-    _, _, r = _run(builder, loss_of, sgd, zerodp.Config(stage=3), rank, ref, ref_losses,
-                   _initial(builder, torch.float32))
-    # What a gradient summed over the N ranks instead of averaged would give: SGD at N x lr.
-    summed, *_ = train_reference(builder, sgd_times(world_size), torch.float32, rank, steps=STEPS, loss_of=loss_of)
-    r["summed_vs_ref"] = max_rel_diff(summed, ref)
-    out[("gpt2", "fp32", 3, "sgd")] = r
-    return out
+            cells += [(name, precision, 1, "flat"), (name, precision, 2, "flat"), (name, precision, 3, "auto"),
+                      (name, precision, 3, "named"), (name, precision, 3, "size")]
+    return cells + [("gpt2", "fp32", 3, "sgd")]
+
+
+def parity_case(rank, world_size, name, precision, stage, variant):
+    """One model, precision, stage and unit choice against DDP (AdamW), at every step; the
+    "sgd" variant is plain SGD at stage 3, sensitive to the scale of the reduced gradient."""
+    builder, loss_of, block = MODELS[name]
+    opt_name = "sgd" if variant == "sgd" else "adamw"
+    ref = reference(rank, name, precision, opt_name)
+    if stage < 3:
+        cfg = zerodp.Config(stage=stage, mixed_precision=precision)
+    elif variant == "named":
+        cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_modules=(block,))
+    elif variant == "size":
+        cfg = zerodp.Config(stage=3, mixed_precision=precision, unit_min_params=UNIT_MIN_PARAMS)
+        builder = no_hint(builder)
+    else:  # "auto", "sgd"
+        cfg = zerodp.Config(stage=3, mixed_precision=precision)
+    model, _, r = _run(builder, loss_of, OPTS[opt_name], cfg, rank, ref)
+    if variant == "auto" and precision == "fp32" and name != "bert":
+        # Greedy decoding is discontinuous (an argmax), so it is compared only
+        # where the two models differ by reduction order alone (fp32, ~1e-7).
+        prompt = torch.randint(5, VOCAB - 1, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+        r["generated"] = _generate(model, prompt)
+        r["ref_generated"] = _generate(ref["module"], prompt)
+    if variant == "sgd":
+        # What a gradient summed over the N ranks instead of averaged would give: SGD at N x lr.
+        summed, *_ = train_reference(builder, sgd_times(world_size), torch.float32, rank, steps=STEPS,
+                                     loss_of=loss_of)
+        r["summed_vs_ref"] = max_rel_diff(summed, ref["module"])
+    return r
 
 
 def causal_loss_micro(model, step, rank, dtype=torch.float32, micro=0, micro_batches=1):
@@ -242,81 +278,78 @@ def with_checkpointing(builder):
     return build
 
 
-def hf_user_path(rank, world_size):
+USER_MODELS = ("gpt2", "llama")
+
+
+def user_grid(world_size: int) -> list:
+    """(model, precision, stage) of the user path; bf16 as the parity grid: N <= 2."""
+    return [(name, precision, stage) for name in USER_MODELS
+            for precision in (("fp32", "bf16") if world_size <= 2 else ("fp32",)) for stage in (2, 3)]
+
+
+def user_path_case(rank, world_size, name, precision, stage):
     """What a user of an HF causal LM turns on together: the model's own gradient
     checkpointing (HF defaults), gradient accumulation over 2 micro-batches, automatic
-    units, bf16 and fp32, stages 2 and 3; against DDP on the whole batch without
-    checkpointing (recomputation gives the same values)."""
-    out = {}
-    for name in ("gpt2", "llama"):
-        builder = MODELS[name][0]
-        for precision in ("fp32", "bf16") if world_size <= 2 else ("fp32",):  # bf16 as the grid: N <= 2
-            dtype = zerodp.Config(mixed_precision=precision).compute_dtype
-            ref, ref_losses, _ = train_reference(builder, adamw, dtype, rank, steps=STEPS, loss_of=causal_loss)
-            init = _initial(builder, dtype)
-            want = _ref_params(ref)
-            for stage in (2, 3):
-                cfg = zerodp.Config(stage=stage, mixed_precision=precision, grad_accumulation_steps=2)
-                model, opt, losses, _, _ = train_zerodp(with_checkpointing(builder), adamw, cfg, rank, steps=STEPS,
-                                                        micro_batches=2, loss_of=causal_loss_micro)
-                got = full_params(model)
-                out[(name, precision, stage)] = {
-                    "params": rel(got, want), "update_rel": _update_rel(got, want, init),
-                    "checkpointing": model.is_gradient_checkpointing,
-                    "units": _units_of(opt)["names"] if stage == 3 else None,
-                    "memory": {"other": dict(opt.memory_report().other_by_owner)}}
-    return out
+    units; against DDP on the whole batch without checkpointing (recomputation gives the
+    same values), at every step."""
+    builder = MODELS[name][0]
+    ref = reference(rank, name, precision)
+    cfg = zerodp.Config(stage=stage, mixed_precision=precision, grad_accumulation_steps=2)
+    trace = StepTrace()
+    model, opt, losses, _, _ = train_zerodp(with_checkpointing(builder), adamw, cfg, rank, steps=STEPS,
+                                            micro_batches=2, loss_of=causal_loss_micro, trace=trace)
+    # train_zerodp adds up the micro-batches' mean losses: their mean is the batch's loss.
+    trace.losses = [loss / 2 for loss in trace.losses]
+    got = full_params(model)
+    want = ref["params"]
+    return {"params": rel(got, want), "update_rel": _update_rel(got, want, ref["init"]),
+            "per_step": trace.compare(ref["trace"]),
+            "rel_losses": [abs(a - b) / (1 + abs(b)) for a, b in zip(trace.losses, ref["losses"])],
+            "checkpointing": model.is_gradient_checkpointing,
+            "units": _units_of(opt)["names"] if stage == 3 else None,
+            "memory": {"other": dict(opt.memory_report().other_by_owner)}}
 
 
-def hf_zeropp_and_offload(rank, world_size):
-    """The user path of hf_user_path (GPT-2 from a config, automatic units, HF's gradient
-    checkpointing, 2 micro-batches, bf16, stage 3) with hpZ, with all three ZeRO++ parts
-    (4 ranks as 2 nodes x 2) and with the optimizer offloaded to host and to disk, each
-    against the same run without them."""
-    import tempfile
-
-    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK")}
-    os.environ.update({"LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "GROUP_RANK": str(rank // 2)})
-    root = [tempfile.mkdtemp(prefix="zerodp-hf-offload-") if rank == 0 else None]
-    torch.distributed.broadcast_object_list(root, src=0)
-    variants = {"plain": {}, "hpz": {"hpz": True},
-                "zeropp": {"hpz": True, "quantize_weights": True, "quantize_grads": "int8"},
-                "host": {"offload_optimizer": "host"},
-                "disk": {"offload_optimizer": "disk", "offload_dir": os.path.join(root[0], "disk")},
-                "params_host": {"offload_optimizer": "host", "offload_params": "host"},
-                "params_disk": {"offload_optimizer": "disk", "offload_params": "disk",
-                                "offload_dir": os.path.join(root[0], "params_disk")}}
-    for name in ("disk", "params_disk"):
-        os.makedirs(variants[name]["offload_dir"], exist_ok=True)
-    runs = {}
-    try:
-        for name, fields in variants.items():
-            cfg = zerodp.Config(stage=3, mixed_precision="bf16", grad_accumulation_steps=2, **fields)
-            model, opt, losses, _, volumes = train_zerodp(with_checkpointing(gpt2), adamw, cfg, rank, steps=STEPS,
-                                                          micro_batches=2, loss_of=causal_loss_micro)
-            runs[name] = {"params": full_params(model), "losses": losses, "by_link": volumes[-1]["nbytes_by_link"],
-                          "checkpointing": model.is_gradient_checkpointing}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        torch.distributed.barrier()
-        if rank == 0:
-            import shutil
-
-            shutil.rmtree(root[0], ignore_errors=True)
-    plain = runs["plain"]
-    return {name: {"same_params": all(torch.equal(r["params"][k], plain["params"][k]) for k in plain["params"]),
-                   "loss_gap": max(abs(a - b) / b for a, b in zip(r["losses"], plain["losses"])),
-                   "by_link": r["by_link"], "checkpointing": r["checkpointing"]}
-            for name, r in runs.items()}
+# The user path of user_path_case (GPT-2 from a config, automatic units, HF's gradient
+# checkpointing, 2 micro-batches, bf16, stage 3) with hpZ, with all three ZeRO++ parts (4 ranks
+# as 2 nodes x 2) and with the optimizer (and stage 3's shards) offloaded to host and to disk.
+ZEROPP_OFFLOAD = {"plain": {}, "hpz": {"hpz": True},
+                  "zeropp": {"hpz": True, "quantize_weights": True, "quantize_grads": "int8"},
+                  "host": {"offload_optimizer": "host"},
+                  "disk": {"offload_optimizer": "disk", "offload_dir": "disk"},
+                  "params_host": {"offload_optimizer": "host", "offload_params": "host"},
+                  "params_disk": {"offload_optimizer": "disk", "offload_params": "disk", "offload_dir": "params_disk"}}
+# This worker's runs that other variants are compared with (plain, hpz), by (rank, variant).
+_USER_RUNS: dict = {}
 
 
-def hf_all(rank, world_size):
-    """Both grids in one spawned world (spawning and importing transformers is the slow part)."""
-    out = {"grid": hf_world(rank, world_size), "user": hf_user_path(rank, world_size)}
-    if world_size == 4:
-        out["zeropp_offload"] = hf_zeropp_and_offload(rank, world_size)
+def _user_run(rank, variant, root):
+    key = (rank, variant)
+    if key in _USER_RUNS:
+        return _USER_RUNS[key]
+    fields = dict(ZEROPP_OFFLOAD[variant])
+    if "offload_dir" in fields:
+        fields["offload_dir"] = os.path.join(root, fields["offload_dir"])
+        os.makedirs(fields["offload_dir"], exist_ok=True)
+    cfg = zerodp.Config(stage=3, mixed_precision="bf16", grad_accumulation_steps=2, **fields)
+    model, opt, losses, _, volumes = train_zerodp(with_checkpointing(gpt2), adamw, cfg, rank, steps=STEPS,
+                                                  micro_batches=2, loss_of=causal_loss_micro)
+    run = {"params": full_params(model), "losses": losses, "by_link": volumes[-1]["nbytes_by_link"],
+           "checkpointing": model.is_gradient_checkpointing}
+    if variant in ("plain", "hpz"):
+        _USER_RUNS[key] = run
+    return run
+
+
+def zeropp_offload_case(rank, world_size, variant, root):
+    """One variant of ZEROPP_OFFLOAD against the same run without it (plain), at 4 ranks as
+    2 nodes x 2; `root` is a directory every rank sees, for the disk offloads."""
+    as_two_nodes(rank)
+    plain = _user_run(rank, "plain", root)
+    run = _user_run(rank, variant, root)
+    out = {"same_params": all(torch.equal(run["params"][k], plain["params"][k]) for k in plain["params"]),
+           "loss_gap": max(abs(a - b) / b for a, b in zip(run["losses"], plain["losses"])),
+           "by_link": run["by_link"], "checkpointing": run["checkpointing"], "plain_by_link": plain["by_link"]}
+    if variant == "zeropp":
+        out["hpz_by_link"] = _user_run(rank, "hpz", root)["by_link"]
     return out

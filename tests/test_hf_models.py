@@ -1,12 +1,16 @@
 """Hugging Face GPT-2, Llama and BERT trained with zerodp (stages 1-3, fp32 and bf16)
-against torch DDP, in one spawned world per world size (cases: hf_cases.py)."""
+against torch DDP at every step, a case per test in the session's worlds (cases:
+hf_cases.py). A parity case several tests read (parity, losses, ranks, units, generation)
+runs once per session (pool.cached); the DDP run of a model is memoized in the worker
+(hf_cases.reference), shared by its stages, unit choices and the user path."""
 import math
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from hf_cases import LR, NEW_TOKENS, PROMPT_LEN, STEPS, hf_all  # noqa: E402
+import hf_cases as cases  # noqa: E402
+from hf_cases import LR, NEW_TOKENS, PROMPT_LEN, ROWS, SEQ, STEPS  # noqa: E402
 
 from tolerances import BF16_ULP, N_MAX, U16, U32, adamw_tol  # noqa: E402
 
@@ -70,72 +74,78 @@ BLOCK_UNITS = {  # the block instances each model's `_no_split_modules` and unit
 }
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N{n}")
-def runs(request, pool):
-    return request.param, pool.run(request.param, hf_all, timeout_s=400)
+SIZES = (2, 4)
+CELLS = [(n, *cell) for n in SIZES for cell in cases.grid(n)]
 
 
-@pytest.fixture(scope="module")
-def world(runs):
-    n, results = runs
-    return n, [r["grid"] for r in results]
+def _cell_id(cell) -> str:
+    return "N" + "-".join(str(v) for v in cell)
 
 
-@pytest.fixture(scope="module")
-def user_path(runs):
-    n, results = runs
-    return n, [r["user"] for r in results]
+def _parity(pool, n, name, precision, stage, variant) -> list:
+    """The ranks' results of one parity case, run once per session (several tests read it)."""
+    return pool.cached(n, cases.parity_case, name, precision, stage, variant)
 
 
-def test_parity_with_ddp(world):
-    n, results = world
-    precisions = 2 if n <= 2 else 1  # bf16 runs at N <= 2 (hf_cases.hf_world)
-    assert len(results[0]) == 3 * precisions * 5 + 1  # models x precisions x (stage 1, 2, 3 auto/named/size) + SGD
-    for r in results:
-        for key, c in r.items():
-            name, precision, stage, variant = key
-            assert c["params"] <= TOL[precision], (n, key, c["params"])
-            assert c["update_rel"] <= UPDATE_TOL[precision], (n, key, c["update_rel"])
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N{n}")
+def test_grid_covers_every_model_precision_and_unit_choice(n):
+    precisions = 2 if n <= 2 else 1  # bf16 runs at N <= 2 (hf_cases.grid)
+    assert len(cases.grid(n)) == 3 * precisions * 5 + 1  # models x precisions x (stage 1, 2, 3 auto/named/size) + SGD
+    assert len(cases.user_grid(n)) == 2 * precisions * 2  # models x precisions x stages 2, 3
 
 
-def test_losses_equal_ddp(world):
-    n, results = world
-    for r in results:
-        for key, c in r.items():
-            name, precision, stage, variant = key
-            losses, ref = c["losses"], c["ref_losses"]
-            assert losses[0] == ref[0], (n, key, losses, ref)
-            if precision == "fp32":
-                assert c["loss"] <= LOSS_FP32_TOL, (n, key, c["loss"], losses, ref)
-            elif c["loss_dtype"] == "float32":
-                assert c["loss"] <= BF16_FP32_LOSS_TOL, (n, key, c["loss"], losses, ref)
-            else:
-                assert c["loss_dtype"] == "bfloat16" and name == "bert", (key, c["loss_dtype"])
-                assert all(abs(a - b) <= bf16_ulp(b) for a, b in zip(losses, ref)), (n, key, losses, ref)
+@pytest.mark.parametrize("n,name,precision,stage,variant", CELLS, ids=map(_cell_id, CELLS))
+def test_parity_with_ddp(pool, n, name, precision, stage, variant):
+    key = (n, name, precision, stage, variant)
+    for rank, c in enumerate(_parity(pool, n, name, precision, stage, variant)):
+        # A bound on the whole run bounds each of its steps (parity.py).
+        for step, params in enumerate(c["per_step"]["params"]):
+            assert params <= TOL[precision], (key, rank, step, params)
+        assert c["params"] <= TOL[precision], (key, rank, c["params"])
+        assert c["update_rel"] <= UPDATE_TOL[precision], (key, rank, c["update_rel"])
 
 
-def test_ranks_agree(world):
-    _, results = world
-    for key, c in results[0].items():
-        for other in results[1:]:
-            assert other[key]["checksum"] == c["checksum"], key  # the same parameters on every rank
-            assert other[key]["losses"] != c["losses"], key  # from different per-rank batches
+@pytest.mark.parametrize("n,name,precision,stage,variant", CELLS, ids=map(_cell_id, CELLS))
+def test_losses_equal_ddp(pool, n, name, precision, stage, variant):
+    key = (n, name, precision, stage, variant)
+    for c in _parity(pool, n, name, precision, stage, variant):
+        losses, ref = c["losses"], c["ref_losses"]  # every step's
+        assert losses[0] == ref[0], (key, losses, ref)
+        if precision == "fp32":
+            assert c["loss"] <= LOSS_FP32_TOL, (key, c["loss"], losses, ref)
+        elif c["loss_dtype"] == "float32":
+            assert c["loss"] <= BF16_FP32_LOSS_TOL, (key, c["loss"], losses, ref)
+        else:
+            assert c["loss_dtype"] == "bfloat16" and name == "bert", (key, c["loss_dtype"])
+            assert all(abs(a - b) <= bf16_ulp(b) for a, b in zip(losses, ref)), (key, losses, ref)
 
 
-def test_automatic_units_are_hf_blocks(world):
+@pytest.mark.parametrize("n,name,precision,stage,variant", CELLS, ids=map(_cell_id, CELLS))
+def test_ranks_agree(pool, n, name, precision, stage, variant):
+    key = (n, name, precision, stage, variant)
+    results = _parity(pool, n, name, precision, stage, variant)
+    c = results[0]
+    for other in results[1:]:
+        assert other["checksum"] == c["checksum"], key  # the same parameters on every rank
+        assert other["losses"] != c["losses"], key  # from different per-rank batches
+
+
+UNIT_CELLS = [(n, name, precision) for n in SIZES for name in BLOCK_UNITS
+              for precision in (("fp32", "bf16") if n <= 2 else ("fp32",))]
+
+
+@pytest.mark.parametrize("n,name,precision", UNIT_CELLS, ids=map(_cell_id, UNIT_CELLS))
+def test_automatic_units_are_hf_blocks(pool, n, name, precision):
     """No unit_modules: the HF model's `_no_split_modules` classes are the units. BERT's
     hint, {BertEmbeddings, BertLayer}, is gathered by HF's post_init from its inner
     BertModel onto BertForMaskedLM."""
-    _, results = world
-    r = results[0]
-    for name, blocks in BLOCK_UNITS.items():
-        for precision in ("fp32", "bf16") if (name, "bf16", 3, "auto") in r else ("fp32",):
-            auto = r[(name, precision, 3, "auto")]["units"]
-            named = r[(name, precision, 3, "named")]["units"]
-            assert named["names"] == blocks + ["<root>"], (name, named)
-            extra = ["bert.embeddings"] if name == "bert" else []
-            assert auto["names"] == extra + blocks + ["<root>"], (name, auto)
-            assert auto["all_run"] and named["all_run"]
+    blocks = BLOCK_UNITS[name]
+    auto = _parity(pool, n, name, precision, 3, "auto")[0]["units"]
+    named = _parity(pool, n, name, precision, 3, "named")[0]["units"]
+    assert named["names"] == blocks + ["<root>"], (name, named)
+    extra = ["bert.embeddings"] if name == "bert" else []
+    assert auto["names"] == extra + blocks + ["<root>"], (name, auto)
+    assert auto["all_run"] and named["all_run"]
 
 
 SIZE_UNITS = {  # unit_min_params=4000 on the models without their hint (hf_cases.UNIT_MIN_PARAMS)
@@ -151,76 +161,95 @@ SIZE_UNITS = {  # unit_min_params=4000 on the models without their hint (hf_case
 }
 
 
-def test_size_based_units(world):
+@pytest.mark.parametrize("n,name,precision", UNIT_CELLS, ids=map(_cell_id, UNIT_CELLS))
+def test_size_based_units(pool, n, name, precision):
     """With the hint removed, unit_min_params picks modules that run (never a ModuleList),
     two or more per block, and the result still equals DDP (test_parity_with_ddp)."""
-    _, results = world
-    for name, want in SIZE_UNITS.items():
-        for precision in ("fp32", "bf16") if (name, "bf16", 3, "size") in results[0] else ("fp32",):
-            u = results[0][(name, precision, 3, "size")]["units"]
-            assert u["all_run"] and "ModuleList" not in u["types"], (name, u)
-            assert u["names"] == want, (name, u["names"])
+    u = _parity(pool, n, name, precision, 3, "size")[0]["units"]
+    assert u["all_run"] and "ModuleList" not in u["types"], (name, u)
+    assert u["names"] == SIZE_UNITS[name], (name, u["names"])
 
 
-def test_sgd_divides_by_world_size(world):
-    n, results = world
-    for r in results:
-        s = r[("gpt2", "fp32", 3, "sgd")]
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N{n}")
+def test_sgd_divides_by_world_size(pool, n):
+    for rank, s in enumerate(_parity(pool, n, "gpt2", "fp32", 3, "sgd")):
         assert s["params"] <= SGD_FP32_TOL, (n, s["params"])
+        for step, params in enumerate(s["per_step"]["params"]):  # the run's bound, so every step's
+            assert params <= SGD_FP32_TOL, (n, rank, step, params)
         # The case can tell: gradients summed over the ranks instead of averaged (SGD at
         # N x lr) would be this far from DDP (measured 1.9e-2 at N=2, 4.4e-2 at N=4).
         assert s["summed_vs_ref"] > SUMMED_MIN, s["summed_vs_ref"]
 
 
-def test_generate_after_training_equals_ddp(world):
-    _, results = world
-    first = {}
-    for r in results:
-        for name in ("gpt2", "llama"):
-            g = r[(name, "fp32", 3, "auto")]
-            assert len(g["generated"]) == PROMPT_LEN + NEW_TOKENS
-            assert g["generated"] == g["ref_generated"], (name, g["generated"], g["ref_generated"])
-            assert first.setdefault(name, g["generated"]) == g["generated"]  # every rank the same
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_after_training_equals_ddp(pool, n, name):
+    first = None
+    for g in _parity(pool, n, name, "fp32", 3, "auto"):
+        assert len(g["generated"]) == PROMPT_LEN + NEW_TOKENS
+        assert g["generated"] == g["ref_generated"], (name, g["generated"], g["ref_generated"])
+        first = first or g["generated"]
+        assert first == g["generated"]  # every rank the same
 
 
-# The user path (hf_cases.hf_user_path): HF checkpointing, 2 micro-batches, against DDP on the
+# The user path (hf_cases.user_path_case): HF checkpointing, 2 micro-batches, against DDP on the
 # whole batch, AdamW, 3 steps. Accumulation adds another summation order, same bound:
 # adamw_tol = 6e-3 (measured fp32 params <= 2.4e-6, update share <= 7.7e-6; bf16 keeps TOL
 # and UPDATE_TOL: measured 2.6e-3, 3.5e-2).
 ACCUM_FP32_TOL = adamw_tol(LR, STEPS)
+# Its losses, |a-b| / (1 + |b|) per step (the batch's loss: the mean of the 2 micro-batches').
+# fp32: LOSS_FP32_TOL's argument, |g_i dp_i| <= 2 lr d_i per element and step, but each rank's
+# gradient is now two backwards over a row each instead of one over both, so the regrouped
+# sum is over every token's term of every rank, TOKENS = N_MAX ROWS (SEQ - 1) = 120 of them:
+# d_i <= TOKENS U32 GRAD_BOUND, over STEPS steps and NUMEL_MAX elements: 1.7e-3. Plus the same
+# parameters' loss computed at another batch size: the mean regrouped (ROWS (SEQ - 1) terms)
+# and each token's logits through <= 8 matmuls of inner dimension <= 64 (FORWARD_TERMS = 8 x 64
+# + 30 roundings): 3.2e-5. Catches a micro-batch of the wrong rows, or one repeated, from step
+# 0 on (other rows' losses are O(0.1) apart); a lost gradient is update_rel's to catch. bf16 (fp32 losses from bf16 parameters,
+# both models): BF16_FP32_LOSS_TOL, the parameters' own bound, as in test_losses_equal_ddp.
+# Measured (this machine): fp32 <= 7.3e-8, bf16 <= 4.1e-5.
+TOKENS = N_MAX * ROWS * (SEQ - 1)
+FORWARD_TERMS = 8 * 64 + ROWS * (SEQ - 1)
+ACCUM_LOSS_TOL = {"fp32": 2 * LR * STEPS * NUMEL_MAX * TOKENS * U32 * GRAD_BOUND + FORWARD_TERMS * U32,
+                  "bf16": BF16_FP32_LOSS_TOL}
 
 
-def test_user_path_checkpointing_and_accumulation_equal_ddp(user_path):
-    n, results = user_path
-    for r in results:
-        assert len(r) == 2 * (2 if n <= 2 else 1) * 2  # models x precisions (bf16 at N <= 2) x stages 2, 3
-        for (name, precision, stage), c in r.items():
-            key = (n, name, precision, stage)
-            assert c["checkpointing"], key
-            assert c["params"] <= (ACCUM_FP32_TOL if precision == "fp32" else TOL[precision]), (key, c["params"])
-            assert c["update_rel"] <= UPDATE_TOL[precision], (key, c["update_rel"])
-            if stage == 3:
-                assert c["units"] == BLOCK_UNITS[name] + ["<root>"], (key, c["units"])
-            # The measured ledger holds nothing outside its categories but AdamW's step counters.
-            assert set(c["memory"]["other"]) <= {"ZeroOptimizer.state"}, (key, c["memory"])
+USER_CELLS = [(n, *cell) for n in SIZES for cell in cases.user_grid(n)]
 
 
-def test_user_path_with_zeropp_and_offload(runs):
-    """hf_cases.hf_zeropp_and_offload, at 4 ranks as 2 nodes x 2."""
-    n, results = runs
-    if n != 4:
-        return
-    for r in results:
-        c = r["zeropp_offload"]
-        assert all(v["checkpointing"] for v in c.values())
-        # hpZ and the offloads (optimizer, and stage 3's shards too) change where bytes are,
-        # not the maths: plain stage 3's bits.
-        for name in ("hpz", "host", "disk", "params_host", "params_disk"):
-            assert c[name]["same_params"] and c[name]["loss_gap"] == 0.0, (name, c[name])
-        # hpZ's backward gathers (the recomputation's included) stay inside the node.
-        assert c["hpz"]["by_link"]["intra_node"] > 0 and c["plain"]["by_link"]["intra_node"] == 0, c
-        assert c["hpz"]["by_link"]["inter_node"] < c["plain"]["by_link"]["inter_node"], c
-        # All three quantized (int8 weights and gradients): the losses within 2% of plain
-        # stage 3's, as for the demo model (docs/multinode.md), at fewer cross-node bytes.
-        assert c["zeropp"]["loss_gap"] <= 0.02, c["zeropp"]
-        assert c["zeropp"]["by_link"]["inter_node"] < c["hpz"]["by_link"]["inter_node"], c
+@pytest.mark.parametrize("n,name,precision,stage", USER_CELLS, ids=map(_cell_id, USER_CELLS))
+def test_user_path_checkpointing_and_accumulation_equal_ddp(pool, n, name, precision, stage):
+    key = (n, name, precision, stage)
+    for rank, c in enumerate(pool.run(n, cases.user_path_case, name, precision, stage)):
+        assert c["checkpointing"], key
+        tol = ACCUM_FP32_TOL if precision == "fp32" else TOL[precision]
+        assert c["params"] <= tol, (key, c["params"])
+        for step, (params, loss) in enumerate(zip(c["per_step"]["params"], c["rel_losses"])):
+            assert params <= tol, (key, rank, step, params)  # the run's bound, so every step's
+            assert loss <= ACCUM_LOSS_TOL[precision], (key, rank, step, loss)
+        assert c["update_rel"] <= UPDATE_TOL[precision], (key, c["update_rel"])
+        if stage == 3:
+            assert c["units"] == BLOCK_UNITS[name] + ["<root>"], (key, c["units"])
+        # The measured ledger holds nothing outside its categories but AdamW's step counters.
+        assert set(c["memory"]["other"]) <= {"ZeroOptimizer.state"}, (key, c["memory"])
+
+
+@pytest.mark.parametrize("variant", list(cases.ZEROPP_OFFLOAD))
+def test_user_path_with_zeropp_and_offload(pool, tmp_path, variant):
+    """hf_cases.zeropp_offload_case, at 4 ranks as 2 nodes x 2, against the same run without
+    the variant (plain)."""
+    for c in pool.run(4, cases.zeropp_offload_case, variant, str(tmp_path)):
+        assert c["checkpointing"], variant
+        if variant in ("hpz", "host", "disk", "params_host", "params_disk"):
+            # hpZ and the offloads (optimizer, and stage 3's shards too) change where bytes are,
+            # not the maths: plain stage 3's bits.
+            assert c["same_params"] and c["loss_gap"] == 0.0, (variant, c)
+        if variant == "hpz":
+            # hpZ's backward gathers (the recomputation's included) stay inside the node.
+            assert c["by_link"]["intra_node"] > 0 and c["plain_by_link"]["intra_node"] == 0, c
+            assert c["by_link"]["inter_node"] < c["plain_by_link"]["inter_node"], c
+        if variant == "zeropp":
+            # All three quantized (int8 weights and gradients): the losses within 2% of plain
+            # stage 3's, as for the demo model (docs/multinode.md), at fewer cross-node bytes.
+            assert c["loss_gap"] <= 0.02, c
+            assert c["by_link"]["inter_node"] < c["hpz_by_link"]["inter_node"], c
