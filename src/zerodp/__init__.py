@@ -4,7 +4,8 @@
     model, optimizer = zerodp.initialize(model, torch.optim.AdamW, zerodp.Config(stage=2), lr=3e-4)
 """
 from .api import initialize
-from .checkpoint import consolidate, export, full_state_dict, latest, load, load_pretrained, save, save_pretrained
+from .checkpoint import (consolidate, export, full_state_dict, latest, load, load_pretrained, save, save_pretrained,
+                         wait_for_saves)
 from .config import Config, ConfigError
 from .distributed import CollectiveError, CommLedger, Topology, init_distributed, shutdown_distributed
 from .memory.estimator import estimate
@@ -18,6 +19,6 @@ __all__ = [
     "CollectiveError", "Config", "ConfigError", "CommLedger", "MemoryReport", "Topology", "ZeroOptimizer",
     "init_distributed", "shutdown_distributed", "init", "initialize", "gathered_parameters",
     "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
-    "full_state_dict", "save_pretrained",
+    "full_state_dict", "save_pretrained", "wait_for_saves",
     "__version__",
 ]

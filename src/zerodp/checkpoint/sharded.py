@@ -11,44 +11,32 @@ optimizer and the RNG as they were.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..distributed.agreement import describe_trained, first_disagreement
-from ..version import __version__
-from . import files as fileio  # by module, so a test can fail its writes
+from . import background, saving
 from .format import (
     METADATA,
     REPLICATED,
-    STAGING_TAG,
-    TMP_TAG,
     CheckpointError,
-    FORMAT,
-    FORMAT_VERSION,
     ModelView,
     PathLike,
     describe_error,
-    dtype_name,
-    group_hyperparameters,
-    json_safe,
     model_view,
     raise_if_failed,
-    rank_file,
     refuse_tensor_parallel,
     rank_json,
     restore_hyperparameters,
     write_replicated,
 )
 from .reader import Reader, name_mismatch, open_checkpoint, read_rank_json
-from .retention import OWNER, by_completion, owner_record, prune, remove_stale
-from .rng import rng_state, set_rng_state
+from .retention import by_completion
+from .rng import set_rng_state
 from .schema import check_hyperparameters
 
 log = logging.getLogger(__name__)
@@ -56,29 +44,8 @@ log = logging.getLogger(__name__)
 __all__ = ["latest", "load", "save"]
 
 
-def _slices_to_write(optimizer) -> list:
-    """This rank's share of the trainable state: stage 0 replicates it, so rank 0 alone writes."""
-    if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
-        return []
-    if optimizer.comm.topology.replicate_rank != 0:  # hybrid sharding: row 0 writes, the others hold copies
-        return []
-    return [s for s in optimizer.owned_slices() if s.numel > 0]
-
-
-def _shard_tensors(slices, full_precision: bool) -> dict:
-    """This rank's pieces as CPU tensors; masters and optimizer states are read through
-    their placement ([Note: master placement] in optim/master.py)."""
-    out = {}
-    for s in slices:
-        out[f"master/{s.name}/{s.start}"] = s.read(s.master)
-        if not full_precision:
-            out[f"param/{s.name}/{s.start}"] = s.param.detach().cpu().contiguous()
-        for key, v in s.states.items():
-            out[f"state/{key}/{s.name}/{s.start}"] = s.read(v)
-    return out
-
-
-def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None = None, **extra) -> str:
+def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None = None,
+         asynchronous: bool = False, **extra):
     """Write a sharded checkpoint of `model` and `optimizer` to directory `path`, from every
     rank in parallel (each writes only what it owns); returns the absolute path. Every rank
     must call it.
@@ -89,120 +56,23 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
     it is, leftovers of killed saves beside it are removed ([Note: stale leftovers] in
     retention.py), and with `keep_last` only that many newest complete checkpoints stay in
     its directory.
+
+    `asynchronous=True` returns an `AsyncSave` as soon as the rank's state is copied into
+    host staging memory; the files are written, agreed on and committed in the background
+    while training goes on ([Note: asynchronous save] in background.py). Every save and
+    load first waits for the one in flight and raises its failure.
     """
     refuse_tensor_parallel(optimizer, "zerodp.save")
-    comm, rank = optimizer.comm, optimizer.comm.rank
+    background.wait_in_flight(optimizer)
     path = os.path.abspath(os.fspath(path))
-    # 1. Agree on the temporary directory and on which rank holds which element ranges.
-    save_id = uuid.uuid4().hex[:12]
-    staging = f"{path}{STAGING_TAG}{save_id}"
-    try:
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
-        json.dumps(extra)
-        fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
-        slices = _slices_to_write(optimizer)
-        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
-                 "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
-                 "state_keys": sorted({k for s in slices for k in s.states}),
-                 "scalars": optimizer.scalar_states()}
-        if rank == 0:  # the directory gets its name only with its writer named: [Note: stale leftovers]
-            os.makedirs(staging)
-            fileio.write_json(os.path.join(staging, OWNER), owner_record())
-            os.rename(staging, local["tmp"])
-    except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
-        local = {"ok": False, "error": describe_error(e)}
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-    agreed = comm.all_gather_object(local, "checkpoint", label=f"save of {path}: plan")
-    try:
-        raise_if_failed(agreed, f"save of {path} (nothing was written)")
-    except CheckpointError:
-        if rank == 0 and local.get("tmp"):
-            shutil.rmtree(local["tmp"], ignore_errors=True)
-        raise
-    tmp = agreed[0]["tmp"]
-    # 2. Every rank writes its files; rank 0 also the metadata and the replicated state.
-    try:
-        os.makedirs(tmp, exist_ok=True)
-        full_precision = optimizer.config.compute_dtype == torch.float32
-        files = {rank_file(rank): fileio.write_safetensors(os.path.join(tmp, rank_file(rank)),
-                                                      _shard_tensors(slices, full_precision)),
-                 rank_json(rank): fileio.write_json(os.path.join(tmp, rank_json(rank)), {"rng": rng_state()})}
-        if rank == 0:
-            view = model_view(model)
-            replicated = {k: t.detach().cpu().contiguous() for k, t in view.replicated.items()}
-            files[REPLICATED] = fileio.write_safetensors(os.path.join(tmp, REPLICATED), replicated)
-            meta = _metadata(model, optimizer, view, agreed, extra)
-            files[METADATA] = fileio.write_json(os.path.join(tmp, METADATA), meta)
-        status = {"ok": True, "files": files}
-    except Exception as e:  # noqa: BLE001
-        status = {"ok": False, "error": describe_error(e)}
-    statuses = comm.all_gather_object(status, "checkpoint", label=f"save of {path}: files written")
-    try:
-        raise_if_failed(statuses, f"save of {path} (the previous checkpoints are untouched)")
-    except CheckpointError:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # 3. Everyone finished: rank 0 writes COMPLETE and moves the directory into place.
-    result = None
-    if rank == 0:
-        try:
-            files = {name: d for st in statuses for name, d in st["files"].items()}
-            os.remove(os.path.join(tmp, OWNER))  # it names the writer of an unfinished save only
-            fileio.commit(tmp, path, files)
-            result = {"ok": True}
-        except Exception as e:  # noqa: BLE001
-            shutil.rmtree(tmp, ignore_errors=True)
-            result = {"ok": False, "error": describe_error(e)}
-    committed = comm.all_gather_object(result, "checkpoint", label=f"save of {path}: commit")
-    raise_if_failed(committed[:1], f"commit of {path}")
-    if rank == 0:
-        _tidy(os.path.dirname(path), keep_last, path)
-    log.info("rank %d: saved checkpoint %s (step %d)", rank, path, optimizer.step_count)
+    agreed = saving.plan(path, optimizer, keep_last, extra)
+    if asynchronous:
+        snap = saving.take_snapshot(model, optimizer, agreed, extra, stage=background.staging(optimizer).stage)
+        return background.start(optimizer, path, agreed.tmp, snap, keep_last)
+    snap = saving.take_snapshot(model, optimizer, agreed, extra)
+    saving.finish(optimizer.comm, path, agreed.tmp, saving.write_status(agreed.tmp, snap), keep_last)
+    log.info("rank %d: saved checkpoint %s (step %d)", optimizer.comm.rank, path, optimizer.step_count)
     return path
-
-
-def _tidy(directory: str, keep_last: int | None, saved: str) -> None:
-    """After a successful save: what the directory no longer needs goes. A failure here
-    loses nothing and fails nothing; it is logged."""
-    try:
-        remove_stale(directory)
-        if keep_last is not None:
-            prune(directory, keep_last, keep=saved)
-    except OSError as e:
-        log.warning("checkpoint %s saved, but tidying %s failed: %s", saved, directory, e)
-
-
-def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> dict:
-    cfg = optimizer.config
-    params: dict = {}
-    for r, st in enumerate(agreed):
-        for name, start, numel, shape, group in st["pieces"]:
-            p = params.setdefault(name, {"shape": shape, "dtype": dtype_name(cfg.compute_dtype),
-                                         "group": group, "pieces": []})
-            p["pieces"].append([r, start, numel])
-    for p in params.values():
-        p["pieces"].sort(key=lambda piece: piece[1])
-    scalars = [{} for _ in optimizer.inner.param_groups]
-    for st in agreed:  # a rank may own nothing of a group; take the values where they exist
-        for gi, values in enumerate(st["scalars"]):
-            for k, v in values.items():
-                scalars[gi].setdefault(k, json_safe(v))
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "zerodp_version": __version__, "torch_version": torch.__version__,
-        "world_size": optimizer.comm.world_size, "stage": cfg.stage,
-        "compute_dtype": dtype_name(cfg.compute_dtype), "master_dtype": "float32",
-        "config": cfg.to_dict(), "model": type(model).__name__, "optimizer": type(optimizer.inner).__name__,
-        "param_groups": group_hyperparameters(optimizer), "scalar_states": scalars,
-        "state_keys": sorted({k for st in agreed for k in st["state_keys"]}),
-        "step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict(), "extra": extra,
-        "params": params,
-        "replicated": {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in view.replicated.items()},
-        "state_dict_keys": view.keys,
-    }
 
 
 @dataclass
@@ -224,6 +94,7 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
     CheckpointError, on every rank and before changing anything, if the checkpoint is
     missing, incomplete, damaged or of another model (see [Note: validate, then write])."""
     refuse_tensor_parallel(optimizer, "zerodp.load")
+    background.wait_in_flight(optimizer)
     comm = optimizer.comm
     loaded, meta = None, None
     try:

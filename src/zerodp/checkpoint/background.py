@@ -1,0 +1,205 @@
+"""Asynchronous saves: `zerodp.save(..., asynchronous=True)`.
+
+[Note: asynchronous save]
+The save's steps are saving.py's. On the training thread, as a synchronous save: the plan
+(one object gather on the training process group) and the snapshot, whose tensors are
+copied into staging buffers (`Staging`) instead of fresh memory; then `save` returns an
+`AsyncSave`. On a thread of the save: the rank's files are written and fsynced, the ranks
+agree that every rank's files are complete, rank 0 commits and tidies (`saving.finish`).
+
+The agreement is a collective, and it must not share the training process group with the
+training's own: gloo pairs the n-th collective of a group on each rank with the n-th of the
+others ([Note: gloo pairing] in distributed/collectives.py), and a thread's gather would
+pair with whatever gradient reduction the other rank issues then. So the background
+collectives run on a process group of their own, a gloo group over the same ranks created
+once per training group (`channel`), with its own Comm and ledger: the training's ledger
+and step fingerprint never see them. torch DCP's `async_save` asks for the same (a
+separate CPU process group). The other way, agreeing and committing on the training thread
+at the next save, would leave each finished checkpoint invisible until the next one
+starts: a crash in between would lose a checkpoint that was whole on disk.
+
+Invariants:
+- One save at a time per training group: every `save` and `load` first waits for the one
+  in flight (`wait_in_flight`), and raises its failure, on every rank alike (the ranks
+  exchanged their statuses). The staging buffers are therefore never written while a
+  thread reads them.
+- A crash at any point leaves what a synchronous save's crash leaves ([Note: atomic save]):
+  the unfinished `.tmp-` directory, which `latest()` skips and the next save removes
+  ([Note: stale leftovers] in retention.py), and the previous checkpoint untouched.
+- The thread is a daemon; at a normal exit `wait_for_saves` runs (atexit) so the last save
+  completes. Call `wait_for_saves()` (or the handle's `wait()`) before destroying the
+  process group: the agreement needs it.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.comm import Comm
+from ..distributed.ledger import CommLedger
+from ..memory.placement import Placement
+from .format import CheckpointError, describe_error
+from .saving import Snapshot, finish, write_status
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncSave", "Staging", "wait_for_saves"]
+
+
+class Staging:
+    """Host buffers an asynchronous save copies the rank's tensors into: one flat buffer per
+    dtype, as large as the largest save needed, allocated once and kept (pinned beside CUDA,
+    so the copies from the device run asynchronously). Its bytes are the rank's checkpoint
+    bytes: the pieces it writes, plus on rank 0 the replicated tensors."""
+
+    def __init__(self, pinned: bool):
+        self.placement = Placement("host", pinned=pinned)
+        self.buffers: dict = {}  # dtype -> 1-D tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def stage(self, sources: dict) -> dict:
+        """Copies of `sources` (name -> tensor, on any device) in the buffers, by name."""
+        need: dict = {}
+        for t in sources.values():
+            need[t.dtype] = need.get(t.dtype, 0) + t.numel()
+        for dtype, numel in need.items():
+            held = self.buffers.get(dtype)
+            if held is None or held.numel() < numel:
+                self.buffers.pop(dtype, None)  # freed before its successor is allocated
+                self.buffers[dtype] = self.placement.empty(numel, dtype, torch.device("cpu"))
+        used: dict = {}
+        out = {}
+        with torch.no_grad():
+            for name, t in sources.items():
+                at = used.get(t.dtype, 0)
+                view = self.buffers[t.dtype][at:at + t.numel()].view(t.shape)
+                self.placement.copy_into(view, t.detach())
+                used[t.dtype] = at + t.numel()
+                out[name] = view
+        self.placement.synchronize()
+        return out
+
+
+class AsyncSave:
+    """A save in flight, as torch's Future: `wait()` returns the checkpoint's path once it is
+    committed, or raises the CheckpointError every rank raises; `done()` does not block."""
+
+    def __init__(self, path: str, tmp: str, snap: Snapshot, comm: Comm, keep_last: Optional[int]):
+        self.path, self.tmp = path, tmp
+        self.staged_nbytes = snap.nbytes
+        self.timings: dict = {}  # seconds: "write" (this rank's files, fsynced), "total" (committed)
+        self._error: Optional[BaseException] = None
+        self._reported = False
+        self._thread = threading.Thread(target=self._run, args=(snap, comm, keep_last), daemon=True,
+                                        name=f"zerodp-save-{path}")
+        self._thread.start()
+
+    def _run(self, snap: Snapshot, comm: Comm, keep_last: Optional[int]) -> None:
+        started = time.perf_counter()
+        try:
+            status = write_status(self.tmp, snap)
+            self.timings["write"] = time.perf_counter() - started
+            finish(comm, self.path, self.tmp, status, keep_last)
+            log.info("rank %d: saved checkpoint %s (step %d) in the background", comm.rank, self.path, snap.step)
+        except BaseException as e:  # noqa: BLE001 - raised to the training thread by wait()
+            self._error = e
+        self.timings["total"] = time.perf_counter() - started
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until the save is committed or failed; returns its path or raises (once)."""
+        self._thread.join()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise CheckpointError(f"asynchronous save of {self.path} failed: {describe_error(self._error)}; "
+                                  f"the previous checkpoints are untouched") from self._error
+        return self.path
+
+
+# Per training process group (by name, with the group itself to tell a re-created one apart):
+# the checkpoint channel and the save in flight on it, one at a time. Per optimizer: its
+# staging buffers, freed with it.
+_CHANNELS: dict = {}
+_IN_FLIGHT: dict = {}
+_STAGING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _key(optimizer) -> str:
+    return optimizer.comm.topology.name
+
+
+def channel(optimizer) -> Comm:
+    """The checkpoint channel of `optimizer`'s process group: a Comm over a gloo group of the
+    same ranks, created once (collectively: every rank is in `save`). See [Note:
+    asynchronous save]. A world of one needs no group; it gets a Comm that never communicates."""
+    topology = optimizer.comm.topology
+    group = topology.data_group
+    built = _CHANNELS.get(_key(optimizer))
+    if built is not None and built[0] is group:
+        return built[1]
+    if group is None:
+        comm = Comm(topology=topology, ledger=CommLedger())
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        timeout = timedelta(seconds=optimizer.config.collective_timeout_s)
+        side = dist.new_group(ranks, timeout=timeout, backend="gloo",
+                              use_local_synchronization=len(ranks) != dist.get_world_size())
+        comm = Comm(side, device=torch.device("cpu"))
+    _CHANNELS[_key(optimizer)] = (group, comm)
+    return comm
+
+
+def staging(optimizer) -> Staging:
+    """`optimizer`'s staging buffers (the save in flight was waited for: they are free)."""
+    if optimizer not in _STAGING:
+        _STAGING[optimizer] = Staging(pinned=optimizer.comm.device.type == "cuda")
+    return _STAGING[optimizer]
+
+
+def start(optimizer, path: str, tmp: str, snap: Snapshot, keep_last: Optional[int]) -> AsyncSave:
+    """Write and commit `snap` on a thread; the caller waited for the previous save."""
+    handle = AsyncSave(path, tmp, snap, channel(optimizer), keep_last)
+    _IN_FLIGHT[_key(optimizer)] = handle
+    return handle
+
+
+def wait_in_flight(optimizer) -> Optional[str]:
+    """Wait for the save in flight on `optimizer`'s process group, if any, and raise its failure."""
+    handle = _IN_FLIGHT.pop(_key(optimizer), None)
+    return handle.wait() if handle is not None else None
+
+
+def wait_for_saves() -> list[str]:
+    """Wait for every asynchronous save of this process; returns their paths, or raises the
+    first failure (every rank raises it). Call it on every rank before destroying the
+    process group, and wherever the newest checkpoint must be on disk."""
+    paths, first_error = [], None
+    for key in list(_IN_FLIGHT):
+        try:
+            paths.append(_IN_FLIGHT.pop(key).wait())
+        except CheckpointError as e:
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return paths
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    try:
+        wait_for_saves()
+    except Exception as e:  # noqa: BLE001 - at exit there is no one to raise to
+        log.error("%s", e)

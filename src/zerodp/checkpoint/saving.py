@@ -1,0 +1,264 @@
+"""The steps of a save ([Note: atomic save] in files.py), each a function, so that the
+synchronous `save` runs them in a row and an asynchronous one runs the last two on a thread
+([Note: asynchronous save] in background.py):
+
+1. `plan`: the ranks agree on the temporary directory and on which rank holds which element
+   ranges (one object gather on the training process group).
+2. `take_snapshot`: everything the files will hold, taken now: the rank's pieces (fresh
+   copies, or copies into reused staging buffers), rank 0's replicated tensors and
+   metadata, the RNG states. After it, training may change the model and optimizer.
+3. `write_files`: the rank's files, written and fsynced, with their sizes and sha256.
+4. `finish`: the ranks agree that every rank's files are complete; rank 0 commits (COMPLETE,
+   the rename into place) and tidies the directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..version import __version__
+from . import files as fileio  # by module, so a test can fail its writes
+from .format import (
+    METADATA,
+    REPLICATED,
+    STAGING_TAG,
+    TMP_TAG,
+    CheckpointError,
+    FORMAT,
+    FORMAT_VERSION,
+    ModelView,
+    describe_error,
+    dtype_name,
+    group_hyperparameters,
+    json_safe,
+    model_view,
+    raise_if_failed,
+    rank_file,
+    rank_json,
+)
+from .retention import OWNER, owner_record, prune, remove_stale
+from .rng import rng_state
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Plan", "Snapshot", "finish", "plan", "take_snapshot", "write_files"]
+
+
+def _slices_to_write(optimizer) -> list:
+    """This rank's share of the trainable state: stage 0 replicates it, so rank 0 alone writes."""
+    if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
+        return []
+    if optimizer.comm.topology.replicate_rank != 0:  # hybrid sharding: row 0 writes, the others hold copies
+        return []
+    return [s for s in optimizer.owned_slices() if s.numel > 0]
+
+
+@dataclass
+class Plan:
+    """What the ranks agreed on before writing."""
+
+    path: str
+    tmp: str
+    slices: list  # this rank's OwnedSlices to write
+    agreed: list  # every rank's plan entry: pieces, state keys, scalar states
+
+
+def plan(path: str, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
+    """Step 1: check the arguments and `path` on every rank, make the temporary directory
+    (rank 0) and exchange who writes what. Raises the same CheckpointError on every rank."""
+    comm, rank = optimizer.comm, optimizer.comm.rank
+    save_id = uuid.uuid4().hex[:12]
+    staging = f"{path}{STAGING_TAG}{save_id}"
+    slices: list = []
+    try:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
+        json.dumps(extra)
+        fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
+        slices = _slices_to_write(optimizer)
+        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
+                 "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
+                 "state_keys": sorted({k for s in slices for k in s.states}),
+                 "scalars": optimizer.scalar_states()}
+        if rank == 0:  # the directory gets its name only with its writer named: [Note: stale leftovers]
+            os.makedirs(staging)
+            fileio.write_json(os.path.join(staging, OWNER), owner_record())
+            os.rename(staging, local["tmp"])
+    except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
+        local = {"ok": False, "error": describe_error(e)}
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    agreed = comm.all_gather_object(local, "checkpoint", label=f"save of {path}: plan")
+    try:
+        raise_if_failed(agreed, f"save of {path} (nothing was written)")
+    except CheckpointError:
+        if rank == 0 and local.get("tmp"):
+            shutil.rmtree(local["tmp"], ignore_errors=True)
+        raise
+    return Plan(path, agreed[0]["tmp"], slices, agreed)
+
+
+@dataclass
+class Snapshot:
+    """What one rank's files will hold, independent of the live model and optimizer."""
+
+    rank: int
+    step: int
+    tensors: dict  # rank{r}.safetensors: master/..., param/..., state/... (CPU)
+    rng: dict
+    replicated: Optional[dict]  # rank 0: replicated.safetensors
+    metadata: Optional[dict]  # rank 0: metadata.json
+
+    @property
+    def nbytes(self) -> int:
+        held = list(self.tensors.values()) + list((self.replicated or {}).values())
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+def shard_sources(slices, full_precision: bool) -> dict:
+    """This rank's pieces by their name in the rank file: the live tensors (masters and
+    states wherever their placement keeps them), to be copied, never written as they are."""
+    out = {}
+    for s in slices:
+        out[f"master/{s.name}/{s.start}"] = s.master
+        if not full_precision:
+            out[f"param/{s.name}/{s.start}"] = s.param.detach()
+        for key, v in s.states.items():
+            out[f"state/{key}/{s.name}/{s.start}"] = v
+    return out
+
+
+def _fresh_copies(slices, full_precision: bool) -> dict:
+    """This rank's pieces as CPU tensors; masters and optimizer states are read through
+    their placement ([Note: master placement] in optim/master.py)."""
+    out = {}
+    for s in slices:
+        out[f"master/{s.name}/{s.start}"] = s.read(s.master)
+        if not full_precision:
+            out[f"param/{s.name}/{s.start}"] = s.param.detach().cpu().contiguous()
+        for key, v in s.states.items():
+            out[f"state/{key}/{s.name}/{s.start}"] = s.read(v)
+    return out
+
+
+def take_snapshot(model, optimizer, agreed: Plan, extra: dict, stage: Optional[Callable] = None) -> Snapshot:
+    """Step 2. `stage(tensors) -> tensors` copies the live tensors into buffers the caller
+    keeps (an asynchronous save's staging); without it, each is copied fresh."""
+    rank = optimizer.comm.rank
+    full_precision = optimizer.config.compute_dtype == torch.float32
+    replicated = meta = None
+    view = model_view(model) if rank == 0 else None
+    if stage is None:
+        tensors = _fresh_copies(agreed.slices, full_precision)
+        if rank == 0:
+            replicated = {k: t.detach().cpu().contiguous() for k, t in view.replicated.items()}
+    else:
+        sources = shard_sources(agreed.slices, full_precision)
+        if rank == 0:
+            sources.update({(REPLICATED, k): t.detach() for k, t in view.replicated.items()})
+        staged = stage(sources)
+        tensors = {k: v for k, v in staged.items() if not isinstance(k, tuple)}
+        if rank == 0:
+            replicated = {k[1]: v for k, v in staged.items() if isinstance(k, tuple)}
+    if rank == 0:
+        # A JSON copy: the caller's `extra` (a scheduler's state_dict) may change once save returns.
+        meta = json.loads(json.dumps(_metadata(model, optimizer, view, agreed.agreed, extra)))
+    return Snapshot(rank, optimizer.step_count, tensors, rng_state(), replicated, meta)
+
+
+def write_files(tmp: str, snap: Snapshot) -> dict:
+    """Step 3: this rank's files in `tmp`, fsynced; returns {name: {size, sha256}}."""
+    os.makedirs(tmp, exist_ok=True)
+    r = snap.rank
+    files = {rank_file(r): fileio.write_safetensors(os.path.join(tmp, rank_file(r)), snap.tensors),
+             rank_json(r): fileio.write_json(os.path.join(tmp, rank_json(r)), {"rng": snap.rng})}
+    if snap.replicated is not None:
+        files[REPLICATED] = fileio.write_safetensors(os.path.join(tmp, REPLICATED), snap.replicated)
+    if snap.metadata is not None:
+        files[METADATA] = fileio.write_json(os.path.join(tmp, METADATA), snap.metadata)
+    return files
+
+
+def write_status(tmp: str, snap: Snapshot) -> dict:
+    """`write_files` as the status the ranks exchange: its files, or its error."""
+    try:
+        return {"ok": True, "files": write_files(tmp, snap)}
+    except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
+        return {"ok": False, "error": describe_error(e)}
+
+
+def finish(comm, path: str, tmp: str, status: dict, keep_last: Optional[int]) -> str:
+    """Step 4, on every rank with `comm` (the training process group's, or the checkpoint
+    channel of an asynchronous save): agree that every rank's files are complete; rank 0
+    then writes COMPLETE and moves the directory into place; every rank learns the outcome."""
+    rank = comm.rank
+    statuses = comm.all_gather_object(status, "checkpoint", label=f"save of {path}: files written")
+    try:
+        raise_if_failed(statuses, f"save of {path} (the previous checkpoints are untouched)")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result = None
+    if rank == 0:
+        try:
+            files = {name: d for st in statuses for name, d in st["files"].items()}
+            os.remove(os.path.join(tmp, OWNER))  # it names the writer of an unfinished save only
+            fileio.commit(tmp, path, files)
+            result = {"ok": True}
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            result = {"ok": False, "error": describe_error(e)}
+    committed = comm.all_gather_object(result, "checkpoint", label=f"save of {path}: commit")
+    raise_if_failed(committed[:1], f"commit of {path}")
+    if rank == 0:
+        _tidy(os.path.dirname(path), keep_last, path)
+    return path
+
+
+def _tidy(directory: str, keep_last: Optional[int], saved: str) -> None:
+    """After a successful save: what the directory no longer needs goes. A failure here
+    loses nothing and fails nothing; it is logged."""
+    try:
+        remove_stale(directory)
+        if keep_last is not None:
+            prune(directory, keep_last, keep=saved)
+    except OSError as e:
+        log.warning("checkpoint %s saved, but tidying %s failed: %s", saved, directory, e)
+
+
+def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> dict:
+    cfg = optimizer.config
+    params: dict = {}
+    for r, st in enumerate(agreed):
+        for name, start, numel, shape, group in st["pieces"]:
+            p = params.setdefault(name, {"shape": shape, "dtype": dtype_name(cfg.compute_dtype),
+                                         "group": group, "pieces": []})
+            p["pieces"].append([r, start, numel])
+    for p in params.values():
+        p["pieces"].sort(key=lambda piece: piece[1])
+    scalars = [{} for _ in optimizer.inner.param_groups]
+    for st in agreed:  # a rank may own nothing of a group; take the values where they exist
+        for gi, values in enumerate(st["scalars"]):
+            for k, v in values.items():
+                scalars[gi].setdefault(k, json_safe(v))
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "zerodp_version": __version__, "torch_version": torch.__version__,
+        "world_size": optimizer.comm.world_size, "stage": cfg.stage,
+        "compute_dtype": dtype_name(cfg.compute_dtype), "master_dtype": "float32",
+        "config": cfg.to_dict(), "model": type(model).__name__, "optimizer": type(optimizer.inner).__name__,
+        "param_groups": group_hyperparameters(optimizer), "scalar_states": scalars,
+        "state_keys": sorted({k for st in agreed for k in st["state_keys"]}),
+        "step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict(), "extra": extra,
+        "params": params,
+        "replicated": {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in view.replicated.items()},
+        "state_dict_keys": view.keys,
+    }
