@@ -1,7 +1,7 @@
 """Stage 3: what gathered_parameters leaves in the buffer pool (issue 22, item 10) and a
-gradient penalty followed by another forward (item 12); see test_stage3_buffers.py."""
+gradient penalty followed by another forward (item 12); a case per test of
+test_stage3_buffers.py."""
 from __future__ import annotations
-
 
 import torch
 import torch.nn as nn
@@ -62,33 +62,43 @@ def pool_after_gather(rank, world_size):
             "shapes": during_shapes, "unit_nbytes": WIDTH * (WIDTH + 1) * 4}
 
 
-def penalty_parity(rank, world_size):
-    """Every rank runs the same global batch through one process's reference, then zerodp at
-    stages 0-3 on its slice; returns the largest parameter difference per stage."""
-    ref = model_fn()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for step in range(STEPS):
-        ref_opt.zero_grad()
-        parts = [data(step, r) for r in range(world_size)]
-        loss = sum(penalized_loss(ref, x, y) for x, y in parts) / world_size
-        loss.backward()
-        ref_opt.step()
-    expected = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    out = {}
-    for stage in (0, 1, 2, 3):
-        model = model_fn()
-        cfg = zerodp.Config(stage=stage, unit_modules=(Block,) if stage == 3 else ())
-        model, opt = zerodp.initialize(model, torch.optim.SGD, cfg, lr=0.05)
+# The one-process reference, kept by each rank's process of the session's world of 2 (which
+# lives as long as the session): the four stages' cases compare with the same one.
+_REFERENCES: dict = {}
+
+
+def penalty_reference(world_size: int) -> list:
+    """One process, the global batch (every rank's slice): each step's parameters. Every rank
+    computes it itself, once per process."""
+    if world_size not in _REFERENCES:
+        ref = model_fn()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        steps = []
         for step in range(STEPS):
-            x, y = data(step, rank)
-            penalized_loss(model, x, y).backward()
-            opt.step()
-            opt.zero_grad()
+            ref_opt.zero_grad()
+            parts = [data(step, r) for r in range(world_size)]
+            loss = sum(penalized_loss(ref, x, y) for x, y in parts) / world_size
+            loss.backward()
+            ref_opt.step()
+            steps.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+        _REFERENCES[world_size] = steps
+    return _REFERENCES[world_size]
+
+
+def penalty_case(rank, world_size, stage):
+    """zerodp at `stage` on this rank's slice against the one-process reference on the global
+    batch: the largest parameter difference after each step."""
+    expected = penalty_reference(world_size)
+    model = model_fn()
+    cfg = zerodp.Config(stage=stage, unit_modules=(Block,) if stage == 3 else ())
+    model, opt = zerodp.initialize(model, torch.optim.SGD, cfg, lr=0.05)
+    out = []
+    for step in range(STEPS):
+        x, y = data(step, rank)
+        penalized_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
         with zerodp.gathered_parameters(model):
             got = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[stage] = max(float((got[n] - expected[n]).abs().max()) for n in expected)
+        out.append(max(float((got[n] - expected[step][n]).abs().max()) for n in expected[step]))
     return out
-
-
-def buffers_world(rank, world_size):
-    return {"pool": pool_after_gather(rank, world_size), "penalty": penalty_parity(rank, world_size)}

@@ -1,5 +1,5 @@
-"""Edge cases of tensor parallelism with ZeRO, at world size 4 (DP x TP = 2 x 2) inside one
-spawned world (test_tensor_parallel_edges.py): clipping with the inf-, 2- and 1-norm against
+"""Edge cases of tensor parallelism with ZeRO, at world size 4 (DP x TP = 2 x 2), a case per test
+in the session's world of 4 (test_tensor_parallel_edges.py): clipping with the inf-, 2- and 1-norm against
 torch's clip_grad_norm_ on one process; a nan/inf on one tensor-parallel rank skipping the
 step everywhere (fp32 under nonfinite_grads="skip", and fp16); Pa and Pa+cpu for layers that
 take two tensor inputs, checkpointed through a model-level `_gradient_checkpointing_func`,
@@ -90,31 +90,49 @@ def grad_max(model: nn.Module) -> float:
     return max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
 
 
+# One process's runs on the global batch, kept by the process that computed them (rank 0 of the
+# session's world of 4, which lives as long as the session): several tests compare with each.
+_REFERENCES: dict = {}
+
+
+def memoized(key, compute):
+    if key not in _REFERENCES:
+        _REFERENCES[key] = compute()
+    return _REFERENCES[key]
+
+
 def clip_reference(norm_type: float) -> dict:
     """One process, the global batch, torch's clip_grad_norm_ and SGD; each step's largest
-    clipped gradient element, which the rounding bounds are computed from."""
+    clipped gradient element, which the rounding bounds are computed from, and each step's
+    parameters ("steps"). Once per process for each norm."""
+    return memoized(("clip", norm_type), lambda: _clip_reference(norm_type))
+
+
+def _clip_reference(norm_type: float) -> dict:
     model = gpt(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    norms, largest = [], []
+    norms, largest, steps = [], [], []
     for step in range(STEPS):
         gpt_loss(model, gpt_batch(step)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)))
         largest.append(grad_max(model))
         opt.step()
         opt.zero_grad()
-    return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"norms": norms, "params": steps[-1], "steps": steps,
             "grad_max": largest, "numel": sum(p.numel() for p in model.parameters())}
 
 
 def clip_run(rank: int, stage: int, norm_type: float) -> dict:
     model, opt = gpt_zero(rank, stage)
-    norms = []
+    norms, steps = [], []
     for step in range(STEPS):
         opt.backward(gpt_loss(model, gpt_batch(step, opt.comm.rank)))
         norms.append(float(opt.clip_grad_norm_(MAX_NORM, norm_type=norm_type)))
         opt.step()
         opt.zero_grad()
-    return {"norms": norms, "params": local_params(model), "dp_rank": opt.comm.rank}
+        steps.append(local_params(model))
+    return {"norms": norms, "params": steps[-1], "steps": steps, "dp_rank": opt.comm.rank}
 
 
 def poison(value: float):
@@ -281,9 +299,14 @@ def two_batch(step: int, dp_rank=None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def two_input_reference(kind: str) -> dict:
+    """One process, the global batch, SGD; each step's parameters ("steps"). Once per process."""
+    return memoized(("two", kind), lambda: _two_input_reference(kind))
+
+
+def _two_input_reference(kind: str) -> dict:
     model = two_input_net(seed=0, dropout=0.0, reentrant=False, kind=kind)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, largest = [], []
+    losses, largest, steps = [], [], []
     for step in range(STEPS):
         loss = model(*two_batch(step))
         loss.backward()
@@ -291,12 +314,12 @@ def two_input_reference(kind: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "grad_max": largest}
+        steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"losses": losses, "params": steps[-1], "steps": steps, "grad_max": largest}
 
 
 def two_input_run(rank: int, dropout: float, reentrant: bool, late_enable: bool = False, kind: str = "nested",
-                  **fields) -> dict:
+                  every_step: bool = False, **fields) -> dict:
     """Stage 3 at 2 x 2; the ledger read right after the first forward. `late_enable`:
     checkpointing is switched on after initialize (the store must wrap it at the forward)."""
     model = two_input_net(seed=rank, dropout=dropout, reentrant=None if late_enable else reentrant, kind=kind)
@@ -304,7 +327,7 @@ def two_input_run(rank: int, dropout: float, reentrant: bool, late_enable: bool 
     model, opt = zerodp.initialize(model, torch.optim.SGD, cfg, lr=LR)
     if late_enable:
         model.gradient_checkpointing_enable(reentrant)
-    losses, ledger = [], None
+    losses, ledger, steps = [], None, []
     for step in range(STEPS):
         loss = model(*two_batch(step, opt.comm.rank))
         if step == 0:
@@ -316,7 +339,10 @@ def two_input_run(rank: int, dropout: float, reentrant: bool, late_enable: bool 
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": local_params(model), "ledger": ledger}
+        if every_step and step < STEPS - 1:
+            steps.append(local_params(model))
+    params = local_params(model)
+    return {"losses": losses, "params": params, "ledger": ledger, **({"steps": steps + [params]} if every_step else {})}
 
 
 def in_place_after_forward(rank: int, reentrant: bool, under_zerodp: bool) -> str:
@@ -332,36 +358,86 @@ def in_place_after_forward(rank: int, reentrant: bool, under_zerodp: bool) -> st
     return error_of(lambda: opt.backward(loss) if opt is not None else loss.backward())
 
 
-# -- the world ---------------------------------------------------------------------------
-def edge_world(rank: int, world_size: int) -> dict:
+# -- the cases (test_tensor_parallel_edges.py sends one per test) ----------------------------
+def _check_world(world_size: int) -> None:
     assert world_size == DP * TP, world_size
-    out = {"rank": rank}
-    # Clipping: the reference runs on rank 0 only (one process, the global batch).
-    if rank == 0:
-        for name, norm_type in NORMS.items():
-            out[("clip_ref", name)] = clip_reference(norm_type)
-    for name, stage in CLIP_CASES:
-        out[("clip", name, stage)] = clip_run(rank, stage, NORMS[name])
-    # A nan/inf on global rank 1 only: every rank skips, then steps.
-    for stage, how, clip in NONFINITE:
-        out[("nonfinite", stage, how, clip)] = nonfinite_run(rank, stage, how, clip)
-    for stage in (0, 3):
-        out[("nonfinite_fp16", stage)] = nonfinite_run(rank, stage, "grad", None, precision="fp16")
-    # Two-input checkpointed layers: parity without dropout, then Pa / Pa+cpu with it.
-    for kind in MODELS:
-        if rank == 0:
-            out[("two_ref", kind)] = two_input_reference(kind)
-        out[("two", "parity", kind)] = two_input_run(rank, 0.0, False, kind=kind)
-    for reentrant in (False, True):
-        for name, fields in PA.items():
-            out[("two", reentrant, name)] = two_input_run(rank, DROPOUT, reentrant, **fields)
-    out[("two", "late_pa")] = two_input_run(rank, DROPOUT, False, late_enable=True, partition_activations=True)
-    # The split region's random stream and the input check (tp_region_cases.py, which builds on this file).
-    from tp_region_cases import region_world
 
-    out.update(region_world(rank))
-    # Last: these backward passes stop part-way, on every rank alike.
-    for reentrant in (False, True):
-        out[("in_place", reentrant, "torch")] = in_place_after_forward(rank, reentrant, under_zerodp=False)
-        out[("in_place", reentrant, "zerodp")] = in_place_after_forward(rank, reentrant, under_zerodp=True)
-    return out
+
+def whole_shapes() -> dict:
+    """The GPT's parameters' shapes, unsplit."""
+    return {n: tuple(p.shape) for n, p in gpt(seed=0).named_parameters()}
+
+
+def clip_case(rank: int, world_size: int, name: str, stage: int) -> dict:
+    """Clipping with norm `name` at `stage`; rank 0 adds the one-process reference ("ref")."""
+    _check_world(world_size)
+    ref = clip_reference(NORMS[name]) if rank == 0 else None
+    return {**clip_run(rank, stage, NORMS[name]), "ref": ref}
+
+
+def nonfinite_case(rank: int, world_size: int, stage: int, how: str, clip, precision: str = "fp32") -> dict:
+    """A nan/inf on global rank 1 only (nonfinite_run), with the GPT's unsplit shapes."""
+    _check_world(world_size)
+    return {**nonfinite_run(rank, stage, how, clip, precision=precision), "whole": whole_shapes()}
+
+
+def two_parity_case(rank: int, world_size: int, kind: str) -> dict:
+    """The two-input model without dropout, each step's parameters; rank 0 adds the
+    one-process reference ("ref")."""
+    _check_world(world_size)
+    ref = two_input_reference(kind) if rank == 0 else None
+    return {**two_input_run(rank, 0.0, False, kind=kind, every_step=True), "ref": ref}
+
+
+def two_pa_case(rank: int, world_size: int, reentrant: bool) -> dict:
+    """The two-input model with dropout, without Pa, with Pa and with Pa+cpu."""
+    _check_world(world_size)
+    return {name: two_input_run(rank, DROPOUT, reentrant, **fields) for name, fields in PA.items()}
+
+
+def late_pa_case(rank: int, world_size: int) -> dict:
+    """Pa with checkpointing switched on after initialize."""
+    _check_world(world_size)
+    return two_input_run(rank, DROPOUT, False, late_enable=True, partition_activations=True)
+
+
+def in_place_case(rank: int, world_size: int, reentrant: bool) -> dict:
+    """The errors of an in-place change to a checkpointed input: torch's on one process, then
+    zerodp's. The backward passes stop part-way, on every rank alike."""
+    _check_world(world_size)
+    return {"torch": in_place_after_forward(rank, reentrant, under_zerodp=False),
+            "zerodp": in_place_after_forward(rank, reentrant, under_zerodp=True)}
+
+
+def region_case(rank: int, world_size: int, reentrant) -> dict:
+    """Dropout in both regions, checkpointed (`reentrant` False / True) or not (None)
+    (tp_region_cases.region_run, which builds on this file)."""
+    _check_world(world_size)
+    from tp_region_cases import region_run
+
+    return region_run(rank, reentrant)
+
+
+def input_check_case(rank: int, world_size: int) -> dict:
+    _check_world(world_size)
+    from tp_region_cases import input_check
+
+    return input_check(rank)
+
+
+def demo_case(rank: int, world_size: int) -> dict:
+    """The demo's job without tensor parallelism and with TP = 2, in a directory rank 0 makes."""
+    _check_world(world_size)
+    import shutil
+    import tempfile
+
+    from tp_region_cases import demo_run
+
+    root = [tempfile.mkdtemp(prefix="zerodp-tp-demo-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(root, src=0)
+    try:
+        return {tp: demo_run(rank, root[0], tp) for tp in (1, TP)}
+    finally:
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(root[0], ignore_errors=True)
