@@ -11,6 +11,10 @@ variant, sequentially, with a timeout and OMP_NUM_THREADS=1. Each worker trains 
   fsdp2_dcp         fully_shard per Block, then root; get_state_dict(model, opt) ->
                     torch.distributed.checkpoint.save; get_state_dict -> dcp.load ->
                     set_state_dict (torch.distributed.checkpoint.state_dict)
+  zerodp2_async     stage 2, the time a training step is blocked by zerodp.save against
+                    zerodp.save(..., asynchronous=True), the background write's throughput
+                    against `dd` into the same directory, and the staging bytes
+                    (`--variants zerodp2_async`; its own table, see async_worker)
 
 A save or load is timed from a barrier to a barrier (so it is the slowest rank's). Bytes on
 disk are the files' sizes in one checkpoint directory. Peak RSS is VmHWM, reset before
@@ -26,6 +30,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import bench  # benchmarks/bench.py: model, data, optimizer settings and the launcher
 
-VARIANTS = ("zerodp2", "zerodp3", "fsdp2_dcp")
+VARIANTS = ("zerodp2", "zerodp3", "fsdp2_dcp", "zerodp2_async")
 
 
 # ============================================================================ worker side
@@ -55,7 +60,7 @@ def setup(variant: str, model):
         import zerodp
         from zerodp.demo.models import Block
 
-        stage = int(variant[-1])
+        stage = int(variant[len("zerodp")])
         cfg = zerodp.Config(stage=stage, mixed_precision="fp32", unit_modules=[Block] if stage == 3 else [])
         model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, **bench.adamw_kwargs())
         return (model, opt, opt.backward, lambda path: zerodp.save(path, model, opt),
@@ -98,6 +103,71 @@ def dir_nbytes(path: str) -> tuple[int, int]:
     return total, files
 
 
+def dd_bandwidth(directory: str) -> dict:
+    """Bytes/s of `dd` writing 512 MiB into `directory`, bypassing the page cache
+    (oflag=direct) and through it with one final fdatasync (conv=fdatasync, as a save writes)."""
+    out = {}
+    for name, flag in (("direct", "oflag=direct"), ("fdatasync", "conv=fdatasync")):
+        target = os.path.join(directory, f"dd-{name}.bin")
+        t0 = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", "count=512", flag], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out[name] = 512 * 2**20 / (time.perf_counter() - t0)
+        os.remove(target)
+    return out
+
+
+def async_worker(args, rank, ws, model, opt, train_step, batches) -> dict:
+    """Blocked time of synchronous against asynchronous saves, measured the same way: from a
+    barrier to the return of `zerodp.save` on the slowest rank. An asynchronous save's
+    background part is timed by its thread (this rank's files written and fsynced with their
+    sha256: `write`; agreed on and committed: `total`), once while training steps run and once
+    with training idle. `dd` runs on rank 0 between the saves, with the other rank idle."""
+    import torch.distributed as dist
+    import zerodp
+    from zerodp.checkpoint import background
+
+    def blocked(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    path = lambda tag: os.path.join(args.dir, f"async-{tag}")  # noqa: E731
+    def drop(tag):  # each measurement starts with the same disk usage
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path(tag), ignore_errors=True)
+
+    dd = [dd_bandwidth(args.dir) if rank == 0 else {}]
+    sync_s = []
+    for i in range(args.repeats):
+        sync_s.append(blocked(lambda i=i: zerodp.save(path(f"sync{i}"), model, opt))[0])
+        drop(f"sync{i}")
+    runs = []
+    for i in range(args.repeats):
+        for training in (True, False):
+            s, handle = blocked(lambda i=i, t=training: zerodp.save(path(f"a{i}{t}"), model, opt, asynchronous=True))
+            steps = []
+            while training and not handle.done():
+                t0 = time.perf_counter()
+                train_step(*batches[0])
+                steps.append(time.perf_counter() - t0)
+            handle.wait()
+            runs.append({"training": training, "blocked_s": s, "write_s": handle.timings["write"],
+                         "total_s": handle.timings["total"], "steps_during": steps,
+                         "nbytes": handle.staged_nbytes})
+            drop(f"a{i}{training}")
+    dd += [dd_bandwidth(args.dir) if rank == 0 else {}]
+    step_s = []
+    for _ in range(2):  # steps with no save in flight, for the ones above
+        t0 = time.perf_counter()
+        train_step(*batches[0])
+        step_s.append(time.perf_counter() - t0)
+    return {"sync_s": sync_s, "async": runs, "dd": dd, "step_s": step_s,
+            "staging_nbytes": background.staging(opt).nbytes}
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -129,6 +199,18 @@ def worker(args) -> None:
         return time.perf_counter() - t0, bench.peak_rss_bytes()
 
     train_step(*batches[0])
+    if args.variant == "zerodp2_async":
+        mine = async_worker(args, rank, ws, model, opt, train_step, batches)
+        everyone = [None] * ws
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            record = {"variant": args.variant, "model": args.model, "psi": psi, "world_size": ws,
+                      "repeats": args.repeats, "torch": torch.__version__, "ranks": everyone}
+            with open(args.results, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     at_save = held_out_loss()
     paths = [os.path.join(args.dir, f"{args.variant}-{i}") for i in range(args.repeats)]
     saves = [timed(lambda p=p: save(p)) for p in paths]
@@ -193,6 +275,52 @@ def render_table(model: str, records: dict, failures: dict) -> str:
     return "\n".join(lines)
 
 
+def render_async_table(r: dict) -> str:
+    """The asynchronous save against the synchronous one, and the background write against dd."""
+    ranks, n = r["ranks"], r["repeats"]
+    sync = statistics.median(max(x["sync_s"][i] for x in ranks) for i in range(n))
+    lines = [f"### Asynchronous save, GPT {r['model']} (Ψ = {r['psi']:,} parameters, N = {r['world_size']}), "
+             "stage 2, fp32 AdamW", "",
+             "| save | blocked s (slowest rank) | × sync | background: files written s | committed s "
+             "| write GB/s (both ranks) | × dd fdatasync | × dd direct | steps during | step s during / idle |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    dd = {k: statistics.mean(d[k] for d in ranks[0]["dd"]) for k in ("direct", "fdatasync")}
+    idle_step = statistics.median(s for x in ranks for s in x["step_s"])
+    lines.append(f"| synchronous | {sync:.2f} | 1.00 | | | | | | | |")
+    for training in (True, False):
+        runs = [[run for run in x["async"] if run["training"] is training] for x in ranks]
+        blocked = statistics.median(max(rr[i]["blocked_s"] for rr in runs) for i in range(n))
+        write = statistics.median(max(rr[i]["write_s"] for rr in runs) for i in range(n))
+        total = statistics.median(max(rr[i]["total_s"] for rr in runs) for i in range(n))
+        nbytes = sum(rr[0]["nbytes"] for rr in runs)
+        gbps = nbytes / write / 1e9
+        during = [s for rr in runs for run in rr for s in run["steps_during"]]
+        step = f"{statistics.median(during):.2f} / {idle_step:.2f}" if during else f"— / {idle_step:.2f}"
+        lines.append(f"| asynchronous, {'training on' if training else 'idle'} | {blocked:.2f} | "
+                     f"{blocked / sync:.2f} | {write:.2f} | {total:.2f} | {gbps:.2f} | "
+                     f"{gbps * 1e9 / dd['fdatasync']:.2f} | {gbps * 1e9 / dd['direct']:.2f} | "
+                     f"{len(during) // max(n, 1)} | {step} |")
+    shard = [x["async"][0]["nbytes"] for x in ranks]
+    staging = [x["staging_nbytes"] for x in ranks]
+    lines += ["", f"dd into the checkpoint directory, 512 MiB, mean of {len(ranks[0]['dd'])} runs (before and "
+              f"after the saves): {dd['fdatasync'] / 1e9:.2f} GB/s with conv=fdatasync, {dd['direct'] / 1e9:.2f} "
+              f"GB/s with oflag=direct (runs: "
+              + ", ".join(f"{d['fdatasync'] / 1e9:.2f}/{d['direct'] / 1e9:.2f}" for d in ranks[0]["dd"]) + ").",
+              "Staging bytes per rank: " + ", ".join(f"rank {i}: {s / 2**20:,.1f} MiB" for i, s in enumerate(staging))
+              + "; the rank's checkpoint tensors: " + ", ".join(f"{b / 2**20:,.1f} MiB" for b in shard)
+              + f" (staging ÷ shard: {max(s / b for s, b in zip(staging, shard)):.3f}).",
+              "",
+              "Blocked: barrier to the return of `zerodp.save`, slowest rank, median of the repeats (an "
+              "asynchronous save returns once the rank's state is copied into its staging buffers). Files "
+              "written: the background thread's time to write and fsync the rank's files and compute their "
+              "sha256 (safetensors, then the sha256 of each file read back), slowest rank; committed: until the "
+              "ranks agreed and rank 0 renamed the checkpoint into place. Write GB/s: both ranks' bytes over "
+              "the slowest rank's files-written time (the two ranks write to the same disk at once), against "
+              "one `dd` writer. Steps during: training steps run while the save was in the background "
+              "(per save), and their median time against steps with no save in flight.", ""]
+    return "\n".join(lines)
+
+
 def parent(args) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else bench.ROOT / "benchmarks" / "results" / f"checkpoint-{stamp}.md"
@@ -224,7 +352,10 @@ def parent(args) -> None:
               f"{args.dir or tempfile.gettempdir()}, {args.repeats} saves and loads per variant. "
               f"torch {torch.__version__}, {os.cpu_count()} CPUs.", "",
               f"Load before: `{load_before}`  ", f"Load after: `{bench.uptime()}`", ""]
-    text = "\n".join(header + [render_table(args.model, records, failures)])
+    tables = [render_table(args.model, {k: v for k, v in records.items() if k != "zerodp2_async"}, failures)]
+    if "zerodp2_async" in records:
+        tables.append(render_async_table(records["zerodp2_async"]))
+    text = "\n".join(header + tables)
     out.write_text(text)
     print("\n" + text)
     print(f"[bench_checkpoint] wrote {out}")

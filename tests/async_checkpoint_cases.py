@@ -169,3 +169,25 @@ def killed_while_writing(rank, world_size, root):
     for step in range(2, 10_000):  # training goes on until the kill
         train(model, opt, 1, fixed_batch, first_step=step)
     return "not killed"
+
+
+def trainer_async_save(rank, world_size, root):
+    """zerodp's Trainer saving every 2 steps with zerodp_async_save=True and without: the same
+    checkpoint-N folders, the same zerodp checkpoints in them (bit for bit), the same training."""
+    from hf_trainer_cases import _distributed_env, history, trainer_for
+
+    from zerodp.integrations.hf import CHECKPOINT_DIR, last_complete_checkpoint
+
+    _distributed_env(rank, world_size)
+    out = {}
+    for mode in ("sync", "async"):
+        d = os.path.join(root, mode)
+        trainer = trainer_for(d, zerodp.Config(stage=2), save_strategy="steps", save_steps=2)
+        trainer.zerodp_async_save = mode == "async"  # as Trainer(..., zerodp_async_save=True) sets it
+        trainer.train()
+        folders = sorted(os.listdir(d))
+        out[mode] = {"history": history(trainer), "folders": folders, "last": last_complete_checkpoint(d),
+                     "zerodp": {f: _digests(os.path.join(d, f, CHECKPOINT_DIR)) for f in folders
+                                if f.startswith("checkpoint-")},
+                     "files": {f: sorted(os.listdir(os.path.join(d, f))) for f in folders if f.startswith("checkpoint-")}}
+    return out

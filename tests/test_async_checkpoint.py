@@ -79,3 +79,15 @@ def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
         assert torch.equal(consolidated[k], v), k
     # Its writers are dead, so the next save's tidying removes it.
     assert remove_stale(str(root)) == unfinished
+
+
+def test_the_trainer_saves_asynchronously(pool, tmp_path):
+    from async_checkpoint_cases import trainer_async_save
+
+    for rank, r in enumerate(pool.run(2, trainer_async_save, str(tmp_path), timeout_s=300)):
+        sync, asynchronous = r["sync"], r["async"]
+        assert asynchronous["history"] == sync["history"], rank
+        assert asynchronous["folders"] == sync["folders"] and len(sync["zerodp"]) >= 2, (rank, asynchronous["folders"])
+        assert asynchronous["files"] == sync["files"], rank  # every folder in place, nothing staged left
+        assert asynchronous["zerodp"] == sync["zerodp"], rank
+        assert os.path.basename(asynchronous["last"]) == os.path.basename(sync["last"]) == sync["folders"][-1]

@@ -93,7 +93,10 @@ class Staging:
 
 class AsyncSave:
     """A save in flight, as torch's Future: `wait()` returns the checkpoint's path once it is
-    committed, or raises the CheckpointError every rank raises; `done()` does not block."""
+    committed, or raises the CheckpointError every rank raises; `done()` does not block;
+    `add_done_callback(fn)` runs `fn(path)` on this rank once the save is committed (on the
+    save's thread, or at once if it already is), before `wait()` returns; an error in it
+    is the save's."""
 
     def __init__(self, path: str, tmp: str, snap: Snapshot, comm: Comm, keep_last: Optional[int]):
         self.path, self.tmp = path, tmp
@@ -101,6 +104,9 @@ class AsyncSave:
         self.timings: dict = {}  # seconds: "write" (this rank's files, fsynced), "total" (committed)
         self._error: Optional[BaseException] = None
         self._reported = False
+        self._callbacks: list = []
+        self._lock = threading.Lock()
+        self._committed = False
         self._thread = threading.Thread(target=self._run, args=(snap, comm, keep_last), daemon=True,
                                         name=f"zerodp-save-{path}")
         self._thread.start()
@@ -112,9 +118,25 @@ class AsyncSave:
             self.timings["write"] = time.perf_counter() - started
             finish(comm, self.path, self.tmp, status, keep_last)
             log.info("rank %d: saved checkpoint %s (step %d) in the background", comm.rank, self.path, snap.step)
+            self.timings["total"] = time.perf_counter() - started
+            while True:
+                with self._lock:
+                    if not self._callbacks:
+                        self._committed = True
+                        break
+                    fn = self._callbacks.pop(0)
+                fn(self.path)
         except BaseException as e:  # noqa: BLE001 - raised to the training thread by wait()
             self._error = e
-        self.timings["total"] = time.perf_counter() - started
+            self.timings.setdefault("total", time.perf_counter() - started)
+
+    def add_done_callback(self, fn) -> None:
+        with self._lock:
+            if not self._committed:
+                self._callbacks.append(fn)
+                return
+        if self._error is None:
+            fn(self.path)
 
     def done(self) -> bool:
         return not self._thread.is_alive()

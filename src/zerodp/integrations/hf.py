@@ -20,6 +20,12 @@ trainer state, RNG states, checkpoint rotation) to the Trainer:
   under a staging name and renamed `checkpoint-N` once every rank has written all of it, so
   a run killed while saving leaves no `checkpoint-N` half written; `resume_from_checkpoint=
   True` also passes over any folder that lacks what a complete one holds (from before).
+  With `zerodp_async_save=True` zerodp's checkpoint is written in the background
+  (`zerodp.save(..., asynchronous=True)`), and rank 0 renames the folder into place (and
+  rotates) once it is committed, on the save's thread; the next save, the best model's load
+  and the end of `train` wait for it. Opt-in, because until then `checkpoint-N` does not
+  exist: a callback's `on_save` that reads it would find nothing, and `push_to_hub`, which
+  uploads the folder inside `_save_checkpoint`, is refused with it.
 - tensor parallelism (`Config.tensor_parallel_size`): the ranks of a tensor-parallel group
   compute one model on one batch, so the data loaders hand out batches by data-parallel
   rank and size (each group reads what one rank of a DDP run of its size reads), the loss
@@ -47,7 +53,7 @@ from accelerate.utils import gather_object, recursively_apply
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from ..api import initialize
-from ..checkpoint import full_state_dict, load, save
+from ..checkpoint import AsyncSave, full_state_dict, load, save, wait_for_saves
 from ..checkpoint.files import fsync
 from ..checkpoint.format import COMPLETE
 from ..config import Config, ConfigError
@@ -87,13 +93,19 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
 class Trainer(transformers.Trainer):
     """transformers.Trainer, training with zerodp (see the module docstring)."""
 
-    def __init__(self, *args, zerodp_config: Union[Config, dict, None] = None, **kwargs):
+    def __init__(self, *args, zerodp_config: Union[Config, dict, None] = None, zerodp_async_save: bool = False,
+                 **kwargs):
         config = Config.from_dict(zerodp_config) if isinstance(zerodp_config, dict) else (zerodp_config or Config())
         if not isinstance(config, Config):
             raise TypeError(f"zerodp_config must be a zerodp.Config or a dict, got {type(config).__name__}")
         self.zerodp_config = config
         self._staging = False  # _save_checkpoint in progress: the output dir is the staging one
+        self.zerodp_async_save = bool(zerodp_async_save)
+        self._in_flight: Optional[AsyncSave] = None  # zerodp's save of the last _save_checkpoint, if asynchronous
         super().__init__(*args, **kwargs)
+        if self.zerodp_async_save and self.args.push_to_hub:
+            raise ValueError("zerodp_async_save=True with push_to_hub: the Trainer uploads a checkpoint folder while "
+                             "it is saved, before an asynchronous save is on disk; use one or the other")
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
@@ -242,6 +254,7 @@ class Trainer(transformers.Trainer):
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final, staging = os.path.join(run_dir, name), os.path.join(run_dir, STAGING_DIR, name)
         comm = self.optimizer.comm
+        wait_for_saves()  # the previous folder is in place before anything is staged again
         if self.args.should_save and os.path.exists(staging):  # left by a run killed while saving it
             shutil.rmtree(staging)
         comm.barrier(label="Trainer checkpoint staging")
@@ -255,10 +268,14 @@ class Trainer(transformers.Trainer):
         if renamed:
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
         comm.barrier(label="Trainer checkpoint written")
+        in_flight, self._in_flight = self._in_flight, None
         if self.args.should_save:
             if renamed:
                 self.state.save_to_json(os.path.join(staging, _TRAINER_STATE))
-            self._commit_checkpoint(staging, final, run_dir)
+            if in_flight is not None:  # in place once zerodp's checkpoint in it is committed
+                in_flight.add_done_callback(lambda _: self._commit_checkpoint(staging, final, run_dir))
+            else:
+                self._commit_checkpoint(staging, final, run_dir)
         comm.barrier(label="Trainer checkpoint committed")
 
     def _commit_checkpoint(self, staging: str, final: str, run_dir: str) -> None:
@@ -284,7 +301,11 @@ class Trainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         os.makedirs(output_dir, exist_ok=True)
         # The Trainer rotates its checkpoint folders itself: zerodp keeps every one it is given.
-        save(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.optimizer)
+        path = os.path.join(output_dir, CHECKPOINT_DIR)
+        if self.zerodp_async_save and self._staging:
+            self._in_flight = save(path, self.model, self.optimizer, asynchronous=True)
+        else:
+            save(path, self.model, self.optimizer)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
@@ -296,7 +317,11 @@ class Trainer(transformers.Trainer):
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint-N folder in "
                                  f"{self.args.output_dir}: pass the path of one, or start without resuming")
             resume_from_checkpoint = found
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        wait_for_saves()  # the last checkpoint is on disk, and in place, when train returns ...
+        if self.zerodp_async_save and isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.comm.barrier(label="Trainer checkpoint in place")  # ... on every rank (rank 0 renames)
+        return result
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):
