@@ -5,7 +5,6 @@ axis's collectives, bad input."""
 from __future__ import annotations
 
 import torch
-from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import zerodp
 from tp_slices import error_of
@@ -26,6 +25,8 @@ def build(kind: str, reentrant: bool = False, seed: int = 0) -> torch.nn.Module:
     if kind == "gpt":
         model = GPT(GPT_CFG)
     else:
+        from transformers import LlamaConfig, LlamaForCausalLM  # ~5 s to import: only where a Llama is built
+
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2 if kind == "llama_gqa" else 4,
                           max_position_embeddings=SEQ, attn_implementation="sdpa")
@@ -234,6 +235,8 @@ def _bad_gqa_kv_2_over_4(rank: int) -> str:
 
 
 def _bad_gemma_scaled_embedding(rank: int) -> str:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
     gemma = GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16))
     return error_of(lambda: zerodp.initialize(gemma, torch.optim.SGD, BAD_CFG, lr=0.1))
