@@ -15,7 +15,7 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
           "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_params",
           "offload_dir", "delayed_update_after", "tensor_parallel_size", "partition_activations",
-          "activations_on_host"}
+          "activations_on_host", "compile_units"}
 
 
 def test_fields_are_pinned():
@@ -50,6 +50,8 @@ BAD = [
     ({"hpz": True, "stage": 3, "reshard_after_forward": False}, "hpz", "backward gathers nothing"),
     ({"quantize_block_size": 0, "stage": 3, "quantize_weights": True}, "quantize_block_size", "positive integer"),
     ({"hpz": 1, "stage": 3}, "hpz", "true or false"),
+    ({"compile_units": "yes"}, "compile_units", "true or false"),
+    ({"compile_units": True, "tensor_parallel_size": 2}, "compile_units", "inside the forward"),
     ({"offload_optimizer": "nvme"}, "offload_optimizer", "'host'"),
     ({"offload_optimizer": "host", "stage": 0}, "offload_optimizer", "use stage 1, 2 or 3"),
     ({"offload_dir": None, "offload_optimizer": "disk"}, "offload_dir", "give a path"),

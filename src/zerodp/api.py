@@ -21,6 +21,8 @@ from .distributed.agreement import check_ranks_agree, describe, raise_if_any_fai
 from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
+from .schedule.base import eager_hook
+from .schedule.compile import compile_forwards
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
 from .sharding.model_state import install_state_dict_hooks, install_whole_load_hook
@@ -148,13 +150,15 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         flat = flatten_groups(model, named, group_indices, comm, config.stage, config.precision,
                               config.bucket_bytes)
         reducer = GradReducer(flat.groups, comm, config.backward, flat.backward_order)
-        model.register_forward_pre_hook(lambda module, args: reducer.check_no_open_backward())
-        model.register_forward_hook(lambda module, args, output: reducer.watch_outputs(output)
-                                    if torch.is_grad_enabled() else None)
+        model.register_forward_pre_hook(eager_hook(lambda module, args: reducer.check_no_open_backward()))
+        model.register_forward_hook(eager_hook(lambda module, args, output: reducer.watch_outputs(output)
+                                               if torch.is_grad_enabled() else None))
         opt = ZeroOptimizer(inner, ShardedModel([[g] for g in flat.groups], named, group_indices, reducer,
                                                 tensor_parallel=tensor_parallel), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
+    if config.compile_units:  # docs/compile.md: the hooks above stay outside the compiled code
+        compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
     _INITIALIZED.add(model)
     return model, opt

@@ -199,6 +199,11 @@ class Config:
     `partition_activations`, else whole) live in host memory (pinned on CUDA) and are copied
     back ahead of their recomputation. Needs a checkpointed layer in the model."""
 
+    compile_units: bool = False
+    """Compile the model with torch.compile, zerodp's hooks outside the compiled code
+    (docs/compile.md): stage 3 compiles each unit's own forward (gathered, freed and reduced
+    around it, eagerly); stages 0-2, whose hooks wrap only the model's call, its forward whole."""
+
     collective_timeout_s: float = 300.0
     """How long any of zerodp's collectives waits for the other ranks before every waiting
     rank raises an error naming the ranks that did not arrive and the collective each was
@@ -237,7 +242,7 @@ class Config:
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
         for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
-                     "hpz", "quantize_weights"):
+                     "hpz", "quantize_weights", "compile_units"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use true or false")
         self._check_zeropp()
@@ -331,6 +336,10 @@ class Config:
                                                           "and tensor_parallel_size=1 has one: set "
                                                           "tensor_parallel_size, or use activations_on_host alone")
             return
+        if self.compile_units:
+            raise _bad("compile_units", True, "the tensor-parallel layers run their collectives inside the forward "
+                                              "a compiled unit would trace: use compile_units=False, or "
+                                              "tensor_parallel_size=1")
         # Each of these splits or sends the shard axis by node, or keeps a copy of it per rank,
         # in ways not yet worked out over a data-parallel group that skips tensor-parallel ranks.
         for name, off in (("replicate_size", 1), ("hpz", False), ("quantize_weights", False),

@@ -62,6 +62,22 @@ at stages 0-1 and stage 2 without per-micro-batch reduction: elsewhere clear wit
 the gradient: in-place arithmetic on it fails (e.g. torch.nn.utils.clip_grad_norm_ over
 `model.parameters()`, which would not see the sharded gradient anyway); use
 `optimizer.clip_grad_norm_`.
+
+[Note: hooks stay eager]
+torch.compile traces a module's `__call__`, and with it the forward hooks that run inside
+it, so a compiled model or block would trace zerodp's hooks: stage 3's gather swaps each
+parameter's `.data` from its 1-D shard to its gathered view, and a graph traced around that
+swap captures the parameters as shards (inductor then fails, or recompiles each step).
+Every hook zerodp registers (module hooks, tensor and post-accumulate gradient hooks, the
+saved-tensor pack and unpack, the end-of-backward callback) is wrapped by `eager_hook`,
+which tells dynamo to run it as it is (FSDP2's hooks are wrapped the same way): a compiled
+frame breaks its graph at the hook, the hook gathers, frees or reduces eagerly, and the
+module's own forward is traced and compiled with the parameters already gathered, so no
+compiled frame sees a shard and the guards on the parameters' shapes hold every step. The
+only hook left traceable is stage 3's sharded-use check (`Stage3Engine._guard_sharded_use`),
+on the layers inside the units: a graph break there would split every compiled block at
+each of its layers, so under tracing it does nothing (a shard reaching a compiled frame
+fails that frame's guards on the parameters' shapes instead). docs/compile.md.
 """
 from __future__ import annotations
 
@@ -80,6 +96,11 @@ from .presence import GradPresence
 # one gives its buffer back to the pool, so the pool stays a few buckets or units large
 # whatever the model size (the paper's constant-size buffers, CB).
 MAX_IN_FLIGHT = 2
+
+
+def eager_hook(fn: Callable) -> Callable:
+    """`fn` as a hook that torch.compile never traces ([Note: hooks stay eager])."""
+    return torch._dynamo.disable(fn, recursive=True, reason="zerodp hook: gathers, frees and reduces run eagerly")
 
 
 def inside_backward() -> bool:
@@ -218,7 +239,7 @@ class BackwardSchedule:
         autograd adds to its `.grad`, so a pass always begins before any of them changes."""
         self.presence = GradPresence(self.comm, params, clear, views)
         for p in params:
-            p.register_hook(self._grad_arrives)
+            p.register_hook(eager_hook(self._grad_arrives))
 
     def _grad_arrives(self, grad):
         self.begin_backward()
@@ -258,7 +279,7 @@ class BackwardSchedule:
     def _queue_end(self, task: int) -> None:
         self._drop_handover()
         self._end_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(task))
+        torch.autograd.Variable._execution_engine.queue_callback(eager_hook(lambda: self._end_backward(task)))
 
     def _hand_over(self, node) -> bool:
         """The callback fired at the end of a nested pass, inside `node` of the outer one
@@ -268,7 +289,7 @@ class BackwardSchedule:
         if not nexts:
             return False  # nothing of the outer pass follows the node: this is the end
         self._end_task = None
-        self._handover = [fn.register_prehook(self._resume_outer) for fn in nexts]
+        self._handover = [fn.register_prehook(eager_hook(self._resume_outer)) for fn in nexts]
         return True
 
     def _resume_outer(self, grad_outputs):
@@ -289,7 +310,7 @@ class BackwardSchedule:
         """Queue the end-of-backward callback from the model's outputs, in the outer graph task."""
         for t in output_tensors(output):
             if t.requires_grad:
-                t.register_hook(self._output_grad_hook)
+                t.register_hook(eager_hook(self._output_grad_hook))
 
     def _output_grad_hook(self, grad):
         self.begin_backward()

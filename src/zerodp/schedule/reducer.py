@@ -27,7 +27,7 @@ from ..memory.pool import BufferPool
 from ..policies import BackwardPolicy
 from ..sharding.bucket import Bucket
 from ..sharding.flat_group import FlatParamGroup
-from .base import BackwardSchedule, ReduceQueue
+from .base import BackwardSchedule, ReduceQueue, eager_hook
 from .presence import clear_by_owner
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class GradReducer(BackwardSchedule):
             buckets += Bucket.of_group(g, comm, self.pool)
             for pi, p in enumerate(g.params):
                 mine = [first + si for si in g.layout.segments_of(pi)]
-                p.register_post_accumulate_grad_hook(self._make_hook(g, pi, mine))
+                p.register_post_accumulate_grad_hook(eager_hook(self._make_hook(g, pi, mine)))
 
         def expected_end(i: int) -> int:  # when the bucket's last parameter should finish backward
             b = buckets[i]

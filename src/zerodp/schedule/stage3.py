@@ -38,7 +38,7 @@ from ..distributed import Comm
 from ..memory import hostmem
 from ..memory.pool import BufferPool
 from ..sharding.flat_unit import FlatUnit, TrainingState, UnitState
-from .base import BackwardSchedule, ReduceQueue, inside_backward, output_tensors
+from .base import BackwardSchedule, ReduceQueue, eager_hook, inside_backward, output_tensors
 from .presence import clear_by_owner
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,11 @@ class Stage3Engine(BackwardSchedule):
         self.gathered_peak_nbytes = 0
         self._on_cpu = units[-1].device.type == "cpu"
         for ui, unit in enumerate(units):
-            unit.module.register_forward_pre_hook(self._make_pre_forward(ui))
+            unit.module.register_forward_pre_hook(eager_hook(self._make_pre_forward(ui)))
             # always_call: the root's hook also ends a forward that raised (saved-tensor hooks).
-            unit.module.register_forward_hook(self._make_post_forward(ui), always_call=True)
+            unit.module.register_forward_hook(eager_hook(self._make_post_forward(ui)), always_call=True)
             for p, name in zip(unit.params, unit.names):
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(ui, name))
+                p.register_post_accumulate_grad_hook(eager_hook(self._make_grad_hook(ui, name)))
         self._guard_sharded_use(units[-1].module)
         self._owner = [(u, i) for u in units for i in range(len(u.params))]
         self.track([p for u in units for p in u.params], self._clear_grads)
@@ -102,6 +102,11 @@ class Stage3Engine(BackwardSchedule):
 
     def _make_sharded_check(self, mname: str, kind: str, mine: list):
         def hook(module, args):
+            # Traced by torch.compile, not run ([Note: hooks stay eager] in schedule/base.py):
+            # read there, `mine` would specialise a block's graph to each instance. A compiled
+            # frame meets only gathered parameters: a shard fails the graph's shape guards.
+            if torch.compiler.is_compiling():
+                return
             for pname, ui in mine:
                 if self.units[ui].state is UnitState.SHARDED:
                     unit = self.units[ui]
@@ -173,7 +178,7 @@ class Stage3Engine(BackwardSchedule):
             if not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
                 # The outermost unit that runs: the root, or the first unit a loop calls itself
                 # (`model[1](model[0](x))`), whose saved tensors need the packing as much.
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(eager_hook(self._pack), eager_hook(self._unpack))
                 self._saved_hooks.__enter__()
                 self._hooks_owner, self._forward_trains = ui, True
             phase = "backward" if in_backward else "forward"
@@ -198,7 +203,7 @@ class Stage3Engine(BackwardSchedule):
             if training:
                 for t in output_tensors(output):
                     if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(ui))
+                        t.register_hook(eager_hook(self._make_pre_backward(ui)))
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
             if self.policy.reshard_after_forward or not training:

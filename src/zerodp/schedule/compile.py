@@ -1,0 +1,33 @@
+"""Config.compile_units: torch.compile on the code between zerodp's hooks (docs/compile.md).
+
+Every hook zerodp registers runs eagerly ([Note: hooks stay eager] in schedule/base.py),
+so what is compiled is a module's own `forward`, never its `__call__`: the module's hooks
+(stage 3's gather before it, its free after it, the gradient hooks it registers on the
+outputs) run in `nn.Module._call_impl` around the compiled forward, as torchtitan compiles
+each block under FSDP2 with the hooks outside.
+
+- Stage 3: each unit's forward. A unit's forward runs only once its pre-hook gathered it,
+  so the compiled code always sees gathered parameters, and the guards on their shapes hold
+  every step. Units of one class share one code object and so one graph (a different
+  instance is another input, not another graph). A unit that calls other units (the root)
+  breaks its graph at each of their calls, whose hooks run eagerly; where those calls sit
+  in a loop, dynamo runs that frame eagerly and compiles the inner units' forwards alone.
+- Stages 0-2: the parameters are always whole and the hooks wrap only the model's call
+  (the open-backward check, the outputs' gradient hook) and its parameters' gradients, so
+  the model's forward is compiled whole.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["compile_forwards"]
+
+
+def compile_forwards(modules: list[nn.Module]) -> None:
+    """Replace each module's forward by its torch.compile'd version (an instance attribute,
+    so `_call_impl` and its hooks stay eager around it); a module compiled already is left."""
+    for module in modules:
+        if getattr(module.forward, "_torchdynamo_orig_callable", None) is not None:
+            continue
+        module.forward = torch.compile(module.forward)
