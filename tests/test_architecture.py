@@ -31,7 +31,7 @@ LAYERS = [
 ]
 
 # torch.distributed calls that communicate; only zerodp.distributed may make them.
-COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+COLLECTIVES = {"new_group", "new_subgroups", "init_device_mesh", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
                "send", "recv", "isend", "irecv", "reduce", "gather", "scatter", "broadcast_object_list"}
 

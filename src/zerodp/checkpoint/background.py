@@ -37,14 +37,11 @@ import logging
 import threading
 import time
 import weakref
-from datetime import timedelta
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..distributed.comm import Comm
-from ..distributed.ledger import CommLedger
 from ..memory.placement import Placement
 from .format import CheckpointError, describe_error
 from .saving import Snapshot, finish, write_status
@@ -167,19 +164,11 @@ def channel(optimizer) -> Comm:
     """The checkpoint channel of `optimizer`'s process group: a Comm over a gloo group of the
     same ranks, created once (collectively: every rank is in `save`). See [Note:
     asynchronous save]. A world of one needs no group; it gets a Comm that never communicates."""
-    topology = optimizer.comm.topology
-    group = topology.data_group
+    group = optimizer.comm.topology.data_group
     built = _CHANNELS.get(_key(optimizer))
     if built is not None and built[0] is group:
         return built[1]
-    if group is None:
-        comm = Comm(topology=topology, ledger=CommLedger())
-    else:
-        ranks = dist.get_process_group_ranks(group)
-        timeout = timedelta(seconds=optimizer.config.collective_timeout_s)
-        side = dist.new_group(ranks, timeout=timeout, backend="gloo",
-                              use_local_synchronization=len(ranks) != dist.get_world_size())
-        comm = Comm(side, device=torch.device("cpu"))
+    comm = optimizer.comm.side_channel(optimizer.config.collective_timeout_s)
     _CHANNELS[_key(optimizer)] = (group, comm)
     return comm
 

@@ -4,6 +4,7 @@ is recorded in its ledger (ledger.py).
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import sys
@@ -41,6 +42,19 @@ class Comm:
                                                 if self.topology.crosses_nodes(a))
         self.failures = FailureReport(self.rank, self.world_size, self.topology.name, self.topology.timeout_s)
         self._strategies: dict = {}
+
+    def side_channel(self, timeout_s: float) -> "Comm":
+        """A Comm over a new gloo group of the same data-parallel ranks, on the CPU, with a
+        ledger of its own: for collectives a background thread issues while training's run
+        (gloo pairs the collectives of one group by their order, so the two must not share
+        one). Collective: every rank of the group calls it. A world of one needs no group."""
+        group = self.topology.data_group
+        if group is None:
+            return Comm(topology=self.topology, ledger=CommLedger())
+        ranks = dist.get_process_group_ranks(group)
+        side = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo",
+                              use_local_synchronization=len(ranks) != dist.get_world_size())
+        return Comm(side, device=torch.device("cpu"))
 
     def collectives(self, axis: str = "shard") -> Collectives:
         """The default gather/reduce-scatter strategy on `axis` for this backend."""
