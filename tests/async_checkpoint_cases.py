@@ -139,6 +139,7 @@ def background_error(rank, world_size, root):
     out["listing"] = sorted(os.listdir(root))
     out["latest"] = zerodp.latest(root)
     out["good"] = good
+    barrier()  # every rank has looked before the next save creates its staging directory
     out["recovers"] = zerodp.save(os.path.join(root, "recovered"), model, opt, asynchronous=True).wait()
     return out
 

@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ..distributed.comm import Comm
+from ..distributed.comm import Comm, before_shutdown
 from ..memory.placement import Placement
 from .format import CheckpointError, describe_error
 from .saving import Snapshot, finish, write_status
@@ -206,6 +206,9 @@ def wait_for_saves() -> list[str]:
     if first_error is not None:
         raise first_error
     return paths
+
+
+before_shutdown(wait_for_saves)  # zerodp.shutdown_distributed commits the save in flight first
 
 
 @atexit.register

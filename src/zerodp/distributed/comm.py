@@ -203,6 +203,17 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     return dist.get_rank(), dist.get_world_size()
 
 
+# Work that runs collectives of its own and must end before the process group does
+# (registered by higher layers, which distributed/ may not import).
+_BEFORE_SHUTDOWN: list = []
+
+
+def before_shutdown(finish) -> None:
+    """Run `finish()` (on every rank) when `shutdown_distributed` waits for the other ranks."""
+    if finish not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(finish)
+
+
 def shutdown_distributed(wait: Optional[bool] = None) -> None:
     """Leave the process group joined by `init_distributed`. Every rank waits for the others
     first, so that no rank tears its connections down while a peer is still finishing its
@@ -216,6 +227,8 @@ def shutdown_distributed(wait: Optional[bool] = None) -> None:
         if wait is None:
             wait = sys.exc_info()[0] is None
         if wait:
+            for finish in list(_BEFORE_SHUTDOWN):  # e.g. an asynchronous checkpoint's commit
+                finish()
             dist.barrier()
         else:
             log.error("rank %d: leaving the process group without waiting for the other ranks", dist.get_rank())
