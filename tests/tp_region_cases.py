@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 import torch.nn as nn
@@ -101,17 +99,3 @@ def demo_run(rank: int, root: str, tp: int) -> dict:
     summary = job.run()
     return {"losses": [loss for _, loss in summary["losses"]], "val": summary["val_losses"],
             "data": (job.data_rank, job.data_size), "tokens_per_second": summary["tokens_per_second"]}
-
-
-def region_world(rank: int) -> dict:
-    out = {("region", reentrant): region_run(rank, reentrant) for reentrant in (None, False, True)}
-    out["input_check"] = input_check(rank)
-    root = [tempfile.mkdtemp(prefix="zerodp-tp-demo-") if rank == 0 else None]
-    torch.distributed.broadcast_object_list(root, src=0)
-    try:
-        out["demo"] = {tp: demo_run(rank, root[0], tp) for tp in (1, TP)}
-    finally:
-        torch.distributed.barrier()
-        if rank == 0:
-            shutil.rmtree(root[0], ignore_errors=True)
-    return out
