@@ -291,6 +291,42 @@ def bench(args, device):
         f"{mem} {m3:.2f} GiB vs {md:.2f} GiB (rank 0)")
 
 
+def check_compile(args, device):
+    """Stage 3 bf16 with Config(compile_units=True) against the same run eagerly (docs/compile.md):
+    parity on the tiny GPT (AdamW's rounding-independent bound, as check_case), then the median
+    step time of both on the benchmark model (the first, compiling, step left out)."""
+    rank = dist.get_rank()
+    runs = {}
+    for compiled in (False, True):
+        model, opt = make_zero(3, "bf16", "tiny", device, compile_units=compiled)
+        losses = [float(zero_step(model, opt, *batch(step, rank, model.config, args.rows, device)))
+                  for step in range(args.steps)]
+        runs[compiled] = (losses, params_of(model))
+    (le, pe), (lc, pc) = runs[False], runs[True]
+    loss_diff = agree_max(max(abs(a - b) for a, b in zip(lc, le)), device)
+    param_diff = agree_max(max(float(((pc[n] - q).abs() / (1 + q.abs())).max()) for n, q in pe.items()), device)
+    loss_tol, param_tol = LOSS_TOL["bf16"], 2 * LR * args.steps + ULP["bf16"]
+    ok = loss_diff <= loss_tol and param_diff <= param_tol
+    times = {}
+    for compiled in (False, True):
+        model, opt = make_zero(3, "bf16", args.bench_model, device, compile_units=compiled)
+        x, y = batch(0, rank, model.config, args.bench_rows, device)
+        steps = []
+        for i in range(args.bench_steps + 2):  # the first compiles; 2 warm-up steps left out
+            sync(device)
+            t0 = time.perf_counter()
+            zero_step(model, opt, x, y)
+            sync(device)
+            steps.append(time.perf_counter() - t0)
+        times[compiled] = (statistics.median(steps[2:]), steps[0])
+        model = opt = None
+    (te, fe), (tc, fc) = times[False], times[True]
+    log(f"stage 3 bf16 compile_units  loss diff {loss_diff:.1e} (tol {loss_tol:.0e})  param diff {param_diff:.1e} "
+        f"(tol {param_tol:.1e})  {args.bench_model}: eager {te:.3f} s/step, compiled {tc:.3f} s/step "
+        f"({tc / te:.2f}x; first step {fc:.1f} s vs {fe:.1f} s)  {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def check_dcp_round_trip(stage, precision, args, device):
     """torch.distributed.checkpoint through get_state_dict/set_state_dict (DTensors on this
     device's mesh): a fresh model loaded at step 2 then equals the run that went straight on."""
@@ -359,6 +395,7 @@ def main():
     cases += [("stage 2 bf16 delayed update", check_delayed_update)]
     cases += [("quantize kernels", check_quantize_kernels)]
     cases += [("checkpoint store", check_checkpoint_store)]
+    cases += [("stage 3 bf16 compile_units", check_compile)]
     cases += [] if args.no_bench else [("bench", bench)]
     results = []
     for name, fn, *fn_args in cases:

@@ -3,7 +3,8 @@
 # (NCCL), the fp16 overflow skip, a DCP round trip of the DTensor state dicts, the optimizer
 # offloaded to pinned host memory (and stage 3's shards to host/disk, the delayed update),
 # ZeRO++'s quantization on the device, activation checkpoints on the host (and, with an even
-# number of GPUs, tensor parallelism with Pa and Pa+cpu), and a stage-3 vs DDP
+# number of GPUs, tensor parallelism with Pa and Pa+cpu), stage 3 compiled against eager (parity, step
+# time), and a stage-3 vs DDP
 # benchmark line; a few minutes.
 #   bash scripts/gpu_check.sh            # one process per visible GPU
 #   bash scripts/gpu_check.sh --cpu      # the same checks on CPU, 2 processes, gloo
