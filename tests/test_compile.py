@@ -20,8 +20,8 @@ from tolerances import BF16_ULP, LM_GRAD_BOUND, U16, U32
 # So each gradient element differs by <= (K u32 + D u) G, G = LM_GRAD_BOUND (the per-element
 # sum|terms| bound of the checkpoint LM, tolerances.py) and u the compute dtype's unit
 # roundoff (fp32: U32, bf16: U16; bf16 matmuls and reductions accumulate in fp32 on both
-# sides, so K keeps U32). SGD without momentum moves a parameter by lr x that per step,
-# over STEPS: fp32 1.1e-4 x lr... = 2.9e-6; x16 for the feedback of those differences through
+# sides, so K keeps U32): 1.9e-5 at fp32. SGD without momentum moves a parameter by lr x
+# that per step, over STEPS = 3 at lr 0.05: 2.9e-6; x16 for the feedback of those differences through
 # later gradients and for other CPUs (as tolerances.FP32_TOL): 4.6e-5. bf16: 1.9e-2, plus
 # one bf16 ulp of the compared parameter (BF16_ULP): 2.3e-2. A gradient not reduced, reduced
 # twice or taken from a shard moves the update by >= lr |g| ~ 1e-2 relative on the largest
