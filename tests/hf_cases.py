@@ -3,7 +3,7 @@
 A case per test in the session's worlds (test_hf_models.py, worldpool.py). Every model is
 built from a tiny config, so nothing is downloaded. Each case returns plain numbers; the
 tests assert on them in the parent process. Runs against DDP are traced at every step
-(parity.StepTrace); the DDP run of a model is memoized in the worker (`reference`).
+(parity.StepTrace, hybrid_cases.traced_run); the DDP run of a model is memoized in the worker (`reference`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: 
 
 import zerodp  # noqa: E402
 from core_cases import max_rel_diff, train_reference, train_zerodp  # noqa: E402
-from hybrid_cases import as_two_nodes  # noqa: E402
+from hybrid_cases import as_two_nodes, traced_run  # noqa: E402
 from parity import StepTrace  # noqa: E402
 from stage3_cases import full_params, rel  # noqa: E402
 
@@ -163,6 +163,7 @@ def _initial(builder, dtype) -> dict:
 
 OPTS = {"adamw": adamw, "sgd": sgd}
 
+
 # This worker's DDP runs, by (rank, model, precision, optimizer): the worlds live for the
 # session (worldpool.py), and one DDP run of a model serves every stage and unit choice of
 # the grid and the user path, as it did when they ran in one world. Every rank runs the same
@@ -195,9 +196,7 @@ def _run(builder, loss_of, opt_fn, cfg, rank, ref):
         dtypes.add(str(loss.dtype).replace("torch.", ""))  # BERT's MLM loss stays bf16; GPT-2's, Llama's are fp32
         return loss
 
-    trace = StepTrace()
-    model, opt, losses, _, _ = train_zerodp(builder, opt_fn, cfg, rank, steps=STEPS, loss_of=loss_and_dtype,
-                                            trace=trace)
+    model, opt, losses, _, trace = traced_run(builder, opt_fn, cfg, rank, steps=STEPS, loss_of=loss_and_dtype)
     want = ref["params"]
     got = _params_of(model, cfg.stage)
     if cfg.stage == 3:
@@ -295,9 +294,8 @@ def user_path_case(rank, world_size, name, precision, stage):
     builder = MODELS[name][0]
     ref = reference(rank, name, precision)
     cfg = zerodp.Config(stage=stage, mixed_precision=precision, grad_accumulation_steps=2)
-    trace = StepTrace()
-    model, opt, losses, _, _ = train_zerodp(with_checkpointing(builder), adamw, cfg, rank, steps=STEPS,
-                                            micro_batches=2, loss_of=causal_loss_micro, trace=trace)
+    model, opt, losses, _, trace = traced_run(with_checkpointing(builder), adamw, cfg, rank, steps=STEPS,
+                                              micro_batches=2, loss_of=causal_loss_micro)
     # train_zerodp adds up the micro-batches' mean losses: their mean is the batch's loss.
     trace.losses = [loss / 2 for loss in trace.losses]
     got = full_params(model)

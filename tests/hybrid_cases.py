@@ -10,6 +10,7 @@ import json
 import os
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import zerodp
 from core_cases import OPTIMIZERS, SMALL_BUCKET, Net, max_rel_diff, train_reference, train_zerodp
@@ -27,12 +28,43 @@ def as_two_nodes(rank: int) -> None:
 
 
 def step_bytes(opt) -> dict:
-    """The ledger's summary of the last training step without the snapshots parity.StepTrace
-    takes between steps: a stage-3 state_dict gathers each unit through its own collectives
-    (phase "checkpoint"), which land in the next step's records. No training step
-    communicates in that phase."""
+    """The ledger's summary of the last training step without the snapshots a trace takes
+    between steps: at stage 3 they gather each unit through its own collectives (phase
+    "checkpoint"), which land in the next step's records. No training step communicates in
+    that phase."""
     ledger = opt.comm.ledger
     return ledger.summary([r for r in ledger.last_step if r.phase != "checkpoint"])
+
+
+class UnitTrace(StepTrace):
+    """A StepTrace whose snapshots are zerodp.full_state_dict: at stage 3 one gather per unit
+    (phase "checkpoint", which step_bytes leaves out) instead of the sharded state dict's
+    gather per unit and then an all-gather per parameter (DTensor.full_tensor); the same
+    values under the same names. The optimizer it needs is the one that last stepped
+    (`traced_run` registers the hook that tells it)."""
+
+    optimizer = None
+
+    def saw_step(self, optimizer, args, kwargs) -> None:
+        if isinstance(optimizer, zerodp.ZeroOptimizer):
+            self.optimizer = optimizer
+
+    def record_step(self, model, loss) -> None:
+        self.losses.append(float(loss))
+        self.params.append({n: v.detach().float().clone()
+                            for n, v in zerodp.full_state_dict(model, self.optimizer, cpu_offload=False).items()
+                            if v.is_floating_point()})
+
+
+def traced_run(model_fn, opt_fn, cfg, rank, **kwargs):
+    """train_zerodp traced at every step (UnitTrace); (model, opt, losses, norms, trace)."""
+    trace = UnitTrace()
+    handle = register_optimizer_step_post_hook(trace.saw_step)
+    try:
+        model, opt, losses, norms, _ = train_zerodp(model_fn, opt_fn, cfg, rank, trace=trace, **kwargs)
+    finally:
+        handle.remove()
+    return model, opt, losses, norms, trace
 
 
 def hybrid_config(stage: int, **fields) -> zerodp.Config:
@@ -40,13 +72,30 @@ def hybrid_config(stage: int, **fields) -> zerodp.Config:
                          **({"unit_min_params": 10} if stage == 3 else {}), **fields)
 
 
+# This worker's DDP runs of core_cases.Net, by (rank, optimizer, precision, clip): the world of
+# 4 lives for the session (worldpool.py) and one DDP run serves every case of the same
+# optimizer and dtype here and in zeropp_cases (DDP does not read the two-node environment).
+# Every rank runs the same cases in the same order, so every rank has the same keys (DDP's
+# construction is collective).
+_REFERENCES: dict = {}
+
+
+def reference(rank: int, opt_name: str, precision: str = "fp32", clip=None) -> tuple:
+    """(model, losses, clipped norms, StepTrace) of DDP on Net, STEPS steps."""
+    key = (rank, opt_name, precision, clip)
+    if key not in _REFERENCES:
+        trace = StepTrace()
+        ref, losses, norms = train_reference(Net, OPTIMIZERS[opt_name], DTYPES[precision], rank, clip=clip,
+                                             trace=trace)
+        _REFERENCES[key] = (ref, losses, norms, trace)
+    return _REFERENCES[key]
+
+
 def _against_ddp(rank: int, opt_name: str, cfg: zerodp.Config, precision: str = "fp32", micro_batches: int = 1):
     """DDP and zerodp on the same batches, each traced at every step; the final parameters
     compared as a whole too (gathered)."""
-    ref_trace, trace = StepTrace(), StepTrace()
-    ref, ref_losses, _ = train_reference(Net, OPTIMIZERS[opt_name], DTYPES[precision], rank, trace=ref_trace)
-    model, opt, losses, _, _ = train_zerodp(Net, OPTIMIZERS[opt_name], cfg, rank, trace=trace,
-                                            micro_batches=micro_batches)
+    ref, ref_losses, _, ref_trace = reference(rank, opt_name, precision)
+    model, opt, losses, _, trace = traced_run(Net, OPTIMIZERS[opt_name], cfg, rank, micro_batches=micro_batches)
     with zerodp.gathered_parameters(model):
         diff = max_rel_diff(model, ref)
     return model, opt, {

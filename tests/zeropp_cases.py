@@ -2,7 +2,7 @@
 session's world of 4 (test_zeropp.py, worldpool.py).
 
 Each case returns plain numbers and tensors; the tests assert on them in the parent process.
-Runs compared with DDP are traced at every step (parity.StepTrace)."""
+Runs compared with DDP are traced at every step (parity.StepTrace, hybrid_cases.traced_run)."""
 from __future__ import annotations
 
 import math
@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from core_cases import OPTIMIZERS, Net, batch, loss_fn, max_rel_diff, train_reference, train_zerodp
-from hybrid_cases import as_two_nodes, step_bytes
-from parity import StepTrace
+from core_cases import OPTIMIZERS, Net, batch, loss_fn, max_rel_diff, train_zerodp
+from hybrid_cases import as_two_nodes, reference, step_bytes, traced_run
 from zerodp.distributed import Comm, Topology
 from zerodp.distributed.quantized import QuantizedCollectives
 
@@ -108,16 +107,9 @@ def unit_numels(opt) -> list[int]:
 
 
 def _traced(model_fn, opt_fn, cfg, rank, **kwargs):
-    """train_zerodp with a StepTrace; the last step's ledger without the trace's snapshots."""
-    trace = StepTrace()
-    model, opt, losses, norms, _ = train_zerodp(model_fn, opt_fn, cfg, rank, trace=trace, **kwargs)
+    """hybrid_cases.traced_run; the last step's ledger without the trace's snapshots."""
+    model, opt, losses, norms, trace = traced_run(model_fn, opt_fn, cfg, rank, **kwargs)
     return model, opt, losses, norms, step_bytes(opt), trace
-
-
-def _reference(opt_name, dtype, rank, **kwargs):
-    trace = StepTrace()
-    ref, losses, norms = train_reference(Net, OPTIMIZERS[opt_name], dtype, rank, trace=trace, **kwargs)
-    return ref, losses, norms, trace
 
 
 def training_case(rank: int, world_size: int, variant: str, opt_name: str) -> dict:
@@ -126,7 +118,7 @@ def training_case(rank: int, world_size: int, variant: str, opt_name: str) -> di
     the ledger's bytes of the last step."""
     as_two_nodes(rank)
     fields = VARIANTS[variant]
-    ref, _, _, ref_trace = _reference(opt_name, torch.float32, rank)
+    ref, _, _, ref_trace = reference(rank, opt_name)
     quantized = "quantize_weights" in fields or "quantize_grads" in fields
     cfg = zerodp.Config(**UNITS, **({"quantize_block_size": BLOCK} if quantized else {}), **fields)
     model, opt, losses, _, volume, trace = _traced(Net, OPTIMIZERS[opt_name], cfg, rank)
@@ -171,8 +163,7 @@ def low_precision_case(rank: int, world_size: int, precision: str) -> dict:
     """bf16 or fp16, AdamW: plain stage 3 and all three ZeRO++ parts (int8 gradients), each
     against DDP at every step."""
     as_two_nodes(rank)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    ref, ref_losses, _, ref_trace = _reference("adamw", dtype, rank)
+    ref, ref_losses, _, ref_trace = reference(rank, "adamw", precision)
     plain, _, _, _, plain_volume, plain_trace = _traced(Net, OPTIMIZERS["adamw"], zerodp.Config(
         **UNITS, mixed_precision=precision), rank)
     model, opt, losses, _, volume, trace = _traced(Net, OPTIMIZERS["adamw"], zerodp.Config(
@@ -191,7 +182,7 @@ def accumulation_case(rank: int, world_size: int, variant: str) -> dict:
     every step."""
     as_two_nodes(rank)
     fields = EVERYTHING if variant == "all" else VARIANTS["hpz"]
-    ref, _, ref_norms, ref_trace = _reference("sgd", torch.float32, rank, clip=0.05)
+    ref, _, ref_norms, ref_trace = reference(rank, "sgd", clip=0.05)
     model, opt, _, norms, _, trace = _traced(Net, OPTIMIZERS["sgd"], zerodp.Config(
         **UNITS, grad_accumulation_steps=2, debug=True, **fields), rank, clip=0.05, micro_batches=2)
     with zerodp.gathered_parameters(model):
@@ -232,7 +223,7 @@ def reduce_once_case(rank: int, world_size: int) -> dict:
     """qgZ reducing once at the boundary (reduce_each_micro_batch=False), synchronously,
     against DDP on the whole batch at every step."""
     as_two_nodes(rank)
-    ref, _, _, ref_trace = _reference("sgd", torch.float32, rank)
+    ref, _, _, ref_trace = reference(rank, "sgd")
     model, _, _, _, _, trace = _traced(Net, OPTIMIZERS["sgd"], zerodp.Config(
         **UNITS, grad_accumulation_steps=2, reduce_each_micro_batch=False, overlap_comm=False,
         quantize_grads="int8", quantize_block_size=BLOCK), rank, micro_batches=2)
