@@ -53,8 +53,10 @@ class StepTrace:
 
     def record_step(self, model: nn.Module, loss: float) -> None:
         """After the step: the loss it was computed from and every parameter and floating
-        buffer, whole. Sharded entries of the state dict are DTensors, gathered by torch's
-        own collectives, so the snapshot adds nothing to the comm ledger the tests read."""
+        buffer, whole. Stages 0-2 shard nothing the state dict returns; at stage 3 the
+        state dict gathers each unit through zerodp's collectives (phase "checkpoint"), so a
+        test that reads the comm ledger leaves that phase out (or snapshots with
+        zerodp.full_state_dict, one gather per unit: hybrid_cases.UnitTrace)."""
         self.losses.append(float(loss))
         whole = {}
         for name, value in model.state_dict().items():
