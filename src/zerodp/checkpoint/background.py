@@ -104,6 +104,7 @@ class AsyncSave:
         self._callbacks: list = []
         self._lock = threading.Lock()
         self._committed = False
+        self._saved = False  # committed: a failure after it is a callback's
         self._thread = threading.Thread(target=self._run, args=(snap, comm, keep_last), daemon=True,
                                         name=f"zerodp-save-{path}")
         self._thread.start()
@@ -116,13 +117,26 @@ class AsyncSave:
             finish(comm, self.path, self.tmp, status, keep_last)
             log.info("rank %d: saved checkpoint %s (step %d) in the background", comm.rank, self.path, snap.step)
             self.timings["total"] = time.perf_counter() - started
+            self._saved = True
+            failed = None
             while True:
                 with self._lock:
                     if not self._callbacks:
                         self._committed = True
                         break
                     fn = self._callbacks.pop(0)
-                fn(self.path)
+                try:
+                    fn(self.path)
+                except Exception as e:  # noqa: BLE001 - exchanged below, so every rank raises it
+                    failed = failed or f"{type(e).__name__}: {e}"
+            # Callbacks may run on some ranks only (the Trainer's rename, on rank 0): their
+            # failure is exchanged, so that every rank raises it rather than one rank raising
+            # while the others wait in the next save's collectives.
+            problems = comm.all_gather_object(failed, "checkpoint", label=f"after the save of {self.path}")
+            bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+            if bad:
+                raise CheckpointError(f"rank {comm.rank}: checkpoint {self.path} was saved, but what was to run "
+                                      f"once it was failed on rank {bad[0][0]}: {bad[0][1]}")
         except BaseException as e:  # noqa: BLE001 - raised to the training thread by wait()
             self._error = e
             self.timings.setdefault("total", time.perf_counter() - started)
@@ -143,6 +157,8 @@ class AsyncSave:
         self._thread.join()
         if self._error is not None and not self._reported:
             self._reported = True
+            if self._saved:
+                raise self._error
             raise CheckpointError(f"asynchronous save of {self.path} failed: {describe_error(self._error)}; "
                                   f"the previous checkpoints are untouched") from self._error
         return self.path

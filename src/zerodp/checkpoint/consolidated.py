@@ -25,6 +25,7 @@ from .format import (
     describe_error,
     dtype_name,
     model_view,
+    plain_module,
     raise_if_failed,
     write_replicated,
 )
@@ -102,6 +103,7 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     elements it owns. A tied weight may appear under any of its names. Optimizer states
     are left as they are (start from a fresh optimizer). With strict=True, keys the model
     does not have are an error. Raises before changing anything, on every rank."""
+    model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     comm = optimizer.comm
     masters, replicated, view = [], {}, None
     try:

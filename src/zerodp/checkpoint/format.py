@@ -106,6 +106,13 @@ class ModelView:
         return out
 
 
+def plain_module(model: nn.Module) -> nn.Module:
+    """The module `torch.compile(model)` wraps (its state dict's keys carry an `_orig_mod.`
+    prefix the trained parameters' names do not), else `model` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
+
+
 def model_view(model: nn.Module) -> ModelView:
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     seen: dict = {}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..sharding.model_state import full_unit_tensors
-from .format import PathLike, describe_error, raise_if_failed, refuse_tensor_parallel
+from .format import PathLike, describe_error, plain_module, raise_if_failed, refuse_tensor_parallel
 
 __all__ = ["full_state_dict", "save_pretrained"]
 
@@ -25,6 +25,7 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
     """The model's state dict with every tensor whole, under the model's own names and
     shapes, in the dtype the model computes in. Collective: every rank calls it; with
     `rank0_only` the other ranks get {} (and hold nothing after each unit's gather)."""
+    model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     refuse_tensor_parallel(optimizer, "zerodp.full_state_dict")
     optimizer.settle()  # a delayed update in flight reaches the parameters first
     keep = not rank0_only or optimizer.comm.rank == 0
@@ -51,6 +52,7 @@ def save_pretrained(model: nn.Module, save_directory: PathLike, optimizer, **kwa
     with zerodp, at any stage: full weights (safetensors, tied weights once) that
     `from_pretrained` loads into a plain model. Every rank calls it; rank 0 writes; an
     error on rank 0 (a full disk) is raised on every rank."""
+    model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"{type(model).__name__} has no save_pretrained (not a Hugging Face PreTrainedModel): "
                         f"save zerodp.full_state_dict(model, optimizer, rank0_only=True) with torch.save or "

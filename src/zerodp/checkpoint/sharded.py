@@ -28,9 +28,10 @@ from .format import (
     PathLike,
     describe_error,
     model_view,
+    plain_module,
     raise_if_failed,
-    refuse_tensor_parallel,
     rank_json,
+    refuse_tensor_parallel,
     restore_hyperparameters,
     write_replicated,
 )
@@ -62,6 +63,7 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
     while training goes on ([Note: asynchronous save] in background.py). Every save and
     load first waits for the one in flight and raises its failure.
     """
+    model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     refuse_tensor_parallel(optimizer, "zerodp.save")
     background.wait_in_flight(optimizer)
     path = os.path.abspath(os.fspath(path))
@@ -93,6 +95,7 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
     RNG states are restored only when the world size is unchanged. Raises a
     CheckpointError, on every rank and before changing anything, if the checkpoint is
     missing, incomplete, damaged or of another model (see [Note: validate, then write])."""
+    model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     refuse_tensor_parallel(optimizer, "zerodp.load")
     background.wait_in_flight(optimizer)
     comm = optimizer.comm

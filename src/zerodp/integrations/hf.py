@@ -318,10 +318,15 @@ class Trainer(transformers.Trainer):
                                  f"{self.args.output_dir}: pass the path of one, or start without resuming")
             resume_from_checkpoint = found
         result = super().train(resume_from_checkpoint, *args, **kwargs)
-        wait_for_saves()  # the last checkpoint is on disk, and in place, when train returns ...
-        if self.zerodp_async_save and isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.comm.barrier(label="Trainer checkpoint in place")  # ... on every rank (rank 0 renames)
+        self._saves_in_place()  # the last checkpoint is on disk, and in place, when train returns
         return result
+
+    def _saves_in_place(self) -> None:
+        """Wait for the asynchronous save in flight and, on every rank, for rank 0's rename of
+        its folder into place (a done-callback on rank 0 only)."""
+        wait_for_saves()
+        if self.zerodp_async_save and isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.comm.barrier(label="Trainer checkpoint in place")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):
@@ -341,4 +346,5 @@ class Trainer(transformers.Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
+        self._saves_in_place()  # the best checkpoint may be the one rank 0 is still renaming
         load(os.path.join(self.state.best_model_checkpoint, CHECKPOINT_DIR), self.model, self.optimizer)

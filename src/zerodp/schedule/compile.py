@@ -18,6 +18,8 @@ each block under FSDP2 with the hooks outside.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn as nn
 
@@ -30,4 +32,6 @@ def compile_forwards(modules: list[nn.Module]) -> None:
     for module in modules:
         if getattr(module.forward, "_torchdynamo_orig_callable", None) is not None:
             continue
-        module.forward = torch.compile(module.forward)
+        # The class's forward compiled, bound to this module: a copy.deepcopy of the model
+        # binds it to the copy (a compiled bound method would keep running the original).
+        module.forward = types.MethodType(torch.compile(type(module).forward), module)
