@@ -1,5 +1,6 @@
-"""Regression tests from a review of torch.compile support and asynchronous checkpoints.
-Each fails on the code as reviewed; the cases live here (importable by the worlds' ranks)."""
+"""Saving on paths users take: a torch.compile'd model's checkpoint, a failure after an
+asynchronous save committed, and the Trainer loading its best model at the end while rank 0
+still renames the last checkpoint into place (the cases live here, importable by the ranks)."""
 from __future__ import annotations
 
 import os
