@@ -82,7 +82,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     The model is changed in place and returned: it is used exactly as before (its
     state_dict keeps its own names). `optimizer` is a torch.optim.Optimizer subclass
     (keyword arguments follow) or a callable params -> optimizer; its param groups keep
-    their hyperparameters. Frozen parameters are left alone, replicated.
+    their hyperparameters. Frozen parameters (requires_grad=False) are sharded with their
+    unit at stage 3 and replicated at stages 0-2, as the paper defines the stages; they get
+    no gradient, master or optimizer state ([Note: frozen parameters] in sharding/flat_unit.py).
     """
     if config is None:
         config = Config()
@@ -136,9 +138,12 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         try:
             schedule = Stage3Engine(sharded.units, comm, config.backward, config.units, sharded.pool,
                                     sharded.secondary_pool)
+            units = sharded.units
             opt = ZeroOptimizer(inner, ShardedModel(sharded.group_views, sharded.trainable, group_indices, schedule,
                                                     stage3=schedule, files=sharded.placement.files,
-                                                    tensor_parallel=tensor_parallel), comm, config)
+                                                    tensor_parallel=tensor_parallel,
+                                                    frozen=lambda: [part.shard for u in units for part in u.frozen]),
+                                comm, config)
         except BaseException:
             sharded.placement.close()  # the directory can be used again at once
             raise
@@ -153,8 +158,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         model.register_forward_pre_hook(eager_hook(lambda module, args: reducer.check_no_open_backward()))
         model.register_forward_hook(eager_hook(lambda module, args, output: reducer.watch_outputs(output)
                                                if torch.is_grad_enabled() else None))
+        frozen = [p for p in model.parameters() if not p.requires_grad]
         opt = ZeroOptimizer(inner, ShardedModel([[g] for g in flat.groups], named, group_indices, reducer,
-                                                tensor_parallel=tensor_parallel), comm, config)
+                                                tensor_parallel=tensor_parallel, frozen=lambda: frozen), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))

@@ -24,6 +24,7 @@ from .format import (
     PathLike,
     describe_error,
     dtype_name,
+    frozen_runs,
     model_view,
     plain_module,
     raise_if_failed,
@@ -70,6 +71,10 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
             reader.tensor_slice(REPLICATED, k, info["shape"])  # the file's shape is metadata.json's
             t = reader.file(REPLICATED).get_tensor(k)
             replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        for k, info in meta["frozen"].items():  # frozen parameters a stage-3 save sharded
+            t = reader.read_range("frozen", k, info["pieces"], 0, math.prod(info["shape"]),
+                                  getattr(torch, info["dtype"])).view(info["shape"])
+            replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     for key, kind, src in meta["state_dict_keys"]:
         out[key] = params[src] if kind == "param" else replicated[src]
     return out
@@ -105,15 +110,17 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     does not have are an error. Raises before changing anything, on every rank."""
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     comm = optimizer.comm
-    masters, replicated, view = [], {}, None
+    masters, replicated, frozen, view = [], {}, [], None
     try:
-        view = model_view(model)
+        view = model_view(model, optimizer)
         with _FullSource(state_dict) as source:
             where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label)
             for s in optimizer.owned_slices():
                 if s.numel:
                     masters.append((s, source.flat_range(where[s.name], s.start, s.numel).to(torch.float32)))
             replicated = {k: source.tensor(k) for k in view.replicated}
+            # Frozen parameters sharded at stage 3: each rank reads the rows of its runs only.
+            frozen = [(s, source.flat_range(where[s.name], s.start, s.numel)) for s in frozen_runs(optimizer) if s.numel]
         local = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
         local = {"ok": False, "error": describe_error(e)}
@@ -122,6 +129,8 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
         for s, value in masters:
             s.write(s.master, value)
         write_replicated(replicated, view.replicated)
+        for s, value in frozen:
+            s.write(value)
     optimizer.sync_params_from_master("checkpoint")
 
 
@@ -166,7 +175,8 @@ def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, 
     names); raises listing missing, unexpected and mis-shaped names."""
     where, expected, found = {}, {}, {}
     slice_shapes = {s.name: list(s.shape) for s in slices}  # full shapes; see `_read_for_rank`
-    for name, keys in view.aliases().items():
+    slice_shapes.update(view.frozen)
+    for name, keys in [*view.aliases().items(), *view.aliases("frozen").items()]:
         key = next((k for k in keys if k in shapes), keys[0])
         where[name] = key
         expected[key] = slice_shapes.get(name, shapes.get(key))

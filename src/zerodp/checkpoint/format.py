@@ -9,11 +9,13 @@ A checkpoint is one directory:
                             for every trainable parameter its shape, dtype, group and which rank
                             file holds which element ranges ("pieces")
     rank{r}.safetensors     rank r's owned element ranges: master/{name}/{start} (fp32),
-                            state/{key}/{name}/{start} (exp_avg, ...), and param/{name}/{start}
+                            state/{key}/{name}/{start} (exp_avg, ...), param/{name}/{start}
                             (the compute-dtype value, only when it is not fp32: in fp32 the
-                            master is the parameter)
+                            master is the parameter), and frozen/{name}/{start} (a frozen
+                            parameter sharded at stage 3, in its own dtype; metadata's "frozen"
+                            lists its pieces as "params" does)
     rank{r}.json            rank r's RNG states (torch, CUDA, python, numpy)
-    replicated.safetensors  rank 0: buffers and frozen parameters, by state_dict name
+    replicated.safetensors  rank 0: buffers and frozen parameters of stages 0-2, by state_dict name
     COMPLETE                written last: size and sha256 of every other file
 
 A piece is a range [start, start+numel) of the *flattened original parameter*, never of a
@@ -27,18 +29,22 @@ with safetensors only; nothing is pickled.
 Trainable values and shapes are read and written through `optimizer.owned_slices()` (full
 shapes, owned ranges), never the model: at stage 3 `model.state_dict()` holds 1-D shards.
 The model gives only names, which are trainable (by identity: tied weights too) and the
-replicated tensors, full at every stage. Nothing is gathered, at stage 3 either.
+replicated tensors, full at every stage. Frozen parameters are replicated at stages 0-2 and
+sharded at stage 3, where each rank writes its runs of them (`frozen_runs`); either form
+loads into either. Nothing is gathered, at stage 3 either.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "InvalidCheckpoint", "ModelView", "PathLike", "model_view"]
+from ..sharding.flat_unit import frozen_slices
+
+__all__ = ["CheckpointError", "InvalidCheckpoint", "ModelView", "PathLike", "frozen_runs", "model_view"]
 
 FORMAT = "zerodp-checkpoint"
 FORMAT_VERSION = 1
@@ -89,19 +95,22 @@ def describe_error(e: BaseException) -> str:
 
 @dataclass
 class ModelView:
-    """The model's state_dict names, each either a trainable parameter (held by the
-    optimizer's owned slices, under its first name) or replicated (buffers, frozen params).
+    """The model's state_dict names, each a trainable parameter (held by the optimizer's
+    owned slices, under its first name), a frozen parameter sharded at stage 3 (held by
+    `frozen_runs`), or replicated (buffers, frozen params at stages 0-2).
     See [Note: trainable state comes from the optimizer]."""
 
-    keys: list  # [state_dict key, "param" | "replicated", source name], in state_dict order
+    keys: list  # [state_dict key, "param" | "frozen" | "replicated", source name], in state_dict order
     replicated: dict  # source name -> tensor
     trainable: set  # names of trainable parameters as owned_slices names them
+    frozen: dict = field(default_factory=dict)  # name of a sharded frozen parameter -> its full shape
 
-    def aliases(self) -> dict:
-        """Trainable name -> every state_dict key that holds it (tied weights have several)."""
+    def aliases(self, kind: str = "param") -> dict:
+        """Trainable (or sharded frozen) name -> every state_dict key that holds it (tied
+        weights have several)."""
         out: dict = {}
-        for key, kind, src in self.keys:
-            if kind == "param":
+        for key, k, src in self.keys:
+            if k == kind:
                 out.setdefault(src, []).append(key)
         return out
 
@@ -113,20 +122,32 @@ def plain_module(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
-def model_view(model: nn.Module) -> ModelView:
+def frozen_runs(optimizer) -> list:
+    """This rank's runs of the frozen parameters stage 3 shards (none at stages 0-2)."""
+    return frozen_slices(optimizer.stage3.units) if optimizer.stage3 is not None else []
+
+
+def model_view(model: nn.Module, optimizer) -> ModelView:
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    units = optimizer.stage3.units if optimizer.stage3 is not None else []
+    sharded = {id(p): (n, shape) for u in units for part in u.frozen
+               for p, n, shape in zip(part.params, part.names, (s.shape for s in part.layout.slots))}
     seen: dict = {}
-    keys, replicated = [], {}
+    keys, replicated, frozen = [], {}, {}
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in trainable:
             keys.append([key, "param", trainable[id(t)]])
+        elif id(t) in sharded:
+            name, shape = sharded[id(t)]
+            keys.append([key, "frozen", name])
+            frozen[name] = list(shape)
         elif id(t) in seen:  # a tied frozen parameter or shared buffer: stored once
             keys.append([key, "replicated", seen[id(t)]])
         else:
             seen[id(t)] = key
             keys.append([key, "replicated", key])
             replicated[key] = t
-    return ModelView(keys, replicated, set(trainable.values()))
+    return ModelView(keys, replicated, set(trainable.values()), frozen)
 
 
 def json_safe(value):

@@ -32,9 +32,9 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
 
     whole: dict[int, torch.Tensor] = {}  # id(parameter) -> a tensor of its own, not training memory
     for unit in (optimizer.stage3.units if optimizer.stage3 is not None else []):
-        if unit.empty:
+        if not unit.parts():
             continue
-        for p, t in zip(unit.params, full_unit_tensors(unit)):  # fresh tensors: no copy needed
+        for p, t in zip(unit.all_params(), full_unit_tensors(unit)):  # fresh tensors: no copy needed
             if keep:
                 whole[id(p)] = t.cpu() if cpu_offload else t
     if not keep:

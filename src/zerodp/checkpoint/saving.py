@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -36,6 +36,7 @@ from .format import (
     ModelView,
     describe_error,
     dtype_name,
+    frozen_runs,
     group_hyperparameters,
     json_safe,
     model_view,
@@ -51,13 +52,15 @@ log = logging.getLogger(__name__)
 __all__ = ["Plan", "Snapshot", "finish", "plan", "take_snapshot", "write_files"]
 
 
-def _slices_to_write(optimizer) -> list:
-    """This rank's share of the trainable state: stage 0 replicates it, so rank 0 alone writes."""
-    if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
-        return []
+def _slices_to_write(optimizer) -> tuple[list, list]:
+    """This rank's share of the trainable state and of the frozen parameters stage 3 shards:
+    stage 0 replicates the former, so rank 0 alone writes."""
     if optimizer.comm.topology.replicate_rank != 0:  # hybrid sharding: row 0 writes, the others hold copies
-        return []
-    return [s for s in optimizer.owned_slices() if s.numel > 0]
+        return [], []
+    frozen = [s for s in frozen_runs(optimizer) if s.numel > 0]
+    if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
+        return [], frozen
+    return [s for s in optimizer.owned_slices() if s.numel > 0], frozen
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Plan:
     tmp: str
     slices: list  # this rank's OwnedSlices to write
     agreed: list  # every rank's plan entry: pieces, state keys, scalar states
+    frozen: list = field(default_factory=list)  # this rank's FrozenSlices to write (stage 3)
 
 
 def plan(path: str, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
@@ -77,14 +81,16 @@ def plan(path: str, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
     save_id = uuid.uuid4().hex[:12]
     staging = f"{path}{STAGING_TAG}{save_id}"
     slices: list = []
+    frozen: list = []
     try:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
         fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
-        slices = _slices_to_write(optimizer)
+        slices, frozen = _slices_to_write(optimizer)
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
                  "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
+                 "frozen": [(s.name, s.start, s.numel, list(s.shape), dtype_name(s.dtype)) for s in frozen],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
         if rank == 0:  # the directory gets its name only with its writer named: [Note: stale leftovers]
@@ -102,7 +108,7 @@ def plan(path: str, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
         if rank == 0 and local.get("tmp"):
             shutil.rmtree(local["tmp"], ignore_errors=True)
         raise
-    return Plan(path, agreed[0]["tmp"], slices, agreed)
+    return Plan(path, agreed[0]["tmp"], slices, agreed, frozen)
 
 
 @dataclass
@@ -122,10 +128,10 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in held)
 
 
-def shard_sources(slices, full_precision: bool) -> dict:
+def shard_sources(slices, full_precision: bool, frozen=()) -> dict:
     """This rank's pieces by their name in the rank file: the live tensors (masters and
     states wherever their placement keeps them), to be copied, never written as they are."""
-    out = {}
+    out = {f"frozen/{s.name}/{s.start}": s.value for s in frozen}
     for s in slices:
         out[f"master/{s.name}/{s.start}"] = s.master
         if not full_precision:
@@ -135,10 +141,10 @@ def shard_sources(slices, full_precision: bool) -> dict:
     return out
 
 
-def _fresh_copies(slices, full_precision: bool) -> dict:
+def _fresh_copies(slices, full_precision: bool, frozen=()) -> dict:
     """This rank's pieces as CPU tensors; masters and optimizer states are read through
     their placement ([Note: master placement] in optim/master.py)."""
-    out = {}
+    out = {f"frozen/{s.name}/{s.start}": s.read() for s in frozen}
     for s in slices:
         out[f"master/{s.name}/{s.start}"] = s.read(s.master)
         if not full_precision:
@@ -154,13 +160,13 @@ def take_snapshot(model, optimizer, agreed: Plan, extra: dict, stage: Optional[C
     rank = optimizer.comm.rank
     full_precision = optimizer.config.compute_dtype == torch.float32
     replicated = meta = None
-    view = model_view(model) if rank == 0 else None
+    view = model_view(model, optimizer) if rank == 0 else None
     if stage is None:
-        tensors = _fresh_copies(agreed.slices, full_precision)
+        tensors = _fresh_copies(agreed.slices, full_precision, agreed.frozen)
         if rank == 0:
             replicated = {k: t.detach().cpu().contiguous() for k, t in view.replicated.items()}
     else:
-        sources = shard_sources(agreed.slices, full_precision)
+        sources = shard_sources(agreed.slices, full_precision, agreed.frozen)
         if rank == 0:
             sources.update({(REPLICATED, k): t.detach() for k, t in view.replicated.items()})
         staged = stage(sources)
@@ -242,7 +248,11 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
             p = params.setdefault(name, {"shape": shape, "dtype": dtype_name(cfg.compute_dtype),
                                          "group": group, "pieces": []})
             p["pieces"].append([r, start, numel])
-    for p in params.values():
+    frozen: dict = {}
+    for r, st in enumerate(agreed):
+        for name, start, numel, shape, dtype in st["frozen"]:
+            frozen.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})["pieces"].append([r, start, numel])
+    for p in [*params.values(), *frozen.values()]:
         p["pieces"].sort(key=lambda piece: piece[1])
     scalars = [{} for _ in optimizer.inner.param_groups]
     for st in agreed:  # a rank may own nothing of a group; take the values where they exist
@@ -258,7 +268,7 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
         "param_groups": group_hyperparameters(optimizer), "scalar_states": scalars,
         "state_keys": sorted({k for st in agreed for k in st["state_keys"]}),
         "step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict(), "extra": extra,
-        "params": params,
+        "params": params, "frozen": frozen,
         "replicated": {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in view.replicated.items()},
         "state_dict_keys": view.keys,
     }

@@ -84,11 +84,12 @@ def _check_dtype(path: str, field: str, name) -> None:
         raise _bad(path, METADATA, field, name, "not a torch dtype")
 
 
-def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, held: dict) -> None:
+def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, held: dict,
+                  section: str = "params", element_bytes: int = MASTER_BYTES) -> None:
     """The pieces of one parameter cover [0, numel) exactly once, from rank files that exist
     and hold at least their bytes: a forged shape cannot make a reader allocate more than
     the checkpoint's files hold."""
-    field = f"params[{name!r}]"
+    field = f"{section}[{name!r}]"
     numel = _check_shape(path, f"{field}.shape", info.get("shape"))
     pieces = info.get("pieces")
     if not isinstance(pieces, list):
@@ -102,7 +103,7 @@ def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, hel
         rank, _, n = piece
         if rank_file(rank) not in files:
             raise _bad(path, METADATA, f"{field}.pieces", piece, f"its {rank_file(rank)} is not listed in {COMPLETE}")
-        held[rank] = held.get(rank, 0) + n * MASTER_BYTES
+        held[rank] = held.get(rank, 0) + n * element_bytes
         end += n
     if end != numel:
         raise _bad(path, METADATA, f"{field}.pieces", pieces, f"they cover {end} elements of the {numel} of its shape")
@@ -119,6 +120,14 @@ def _check_params(path: str, meta: dict, files: dict) -> None:
         _check_int(path, METADATA, f"params[{name!r}].group", info.get("group"), 0, len(meta["param_groups"]))
         _check_dtype(path, f"params[{name!r}].dtype", info.get("dtype"))
         _check_pieces(path, name, info, meta, files, held)
+    frozen = meta.setdefault("frozen", {})  # checkpoints written before frozen parameters were sharded lack it
+    if not isinstance(frozen, dict):
+        raise _bad(path, METADATA, "frozen", frozen, "not a mapping")
+    for name, info in frozen.items():
+        if not isinstance(info, dict) or name in params:
+            raise _bad(path, METADATA, f"frozen[{name!r}]", info, "not a mapping for a name params does not have")
+        _check_dtype(path, f"frozen[{name!r}].dtype", info.get("dtype"))
+        _check_pieces(path, name, info, meta, files, held, "frozen", getattr(torch, info["dtype"]).itemsize)
     for rank, nbytes in held.items():
         if nbytes > files[rank_file(rank)]["size"]:
             raise _bad(path, METADATA, f"the pieces of rank {rank}", f"{nbytes} bytes",
@@ -150,10 +159,11 @@ def _check_keys(path: str, meta: dict) -> None:
     seen = set()
     for entry in keys:
         ok = isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, str) for v in entry)
-        source = meta["params"] if ok and entry[1] == "param" else meta["replicated"] if ok else {}
-        if not ok or entry[1] not in ("param", "replicated") or entry[2] not in source or entry[0] in seen:
+        sections = {"param": meta["params"], "frozen": meta["frozen"], "replicated": meta["replicated"]}
+        source = sections.get(entry[1], {}) if ok else {}
+        if not ok or entry[2] not in source or entry[0] in seen:
             raise _bad(path, METADATA, "state_dict_keys", entry,
-                       "not [a new state_dict key, 'param' or 'replicated', a name the checkpoint holds]")
+                       "not [a new state_dict key, 'param', 'frozen' or 'replicated', a name the checkpoint holds]")
         seen.add(entry[0])
 
 

@@ -27,6 +27,7 @@ from .format import (
     ModelView,
     PathLike,
     describe_error,
+    frozen_runs,
     model_view,
     plain_module,
     raise_if_failed,
@@ -35,7 +36,7 @@ from .format import (
     restore_hyperparameters,
     write_replicated,
 )
-from .reader import Reader, name_mismatch, open_checkpoint, read_rank_json
+from .reader import Reader, flat_range, name_mismatch, open_checkpoint, read_rank_json
 from .retention import by_completion
 from .rng import set_rng_state
 from .schema import check_hyperparameters
@@ -86,6 +87,7 @@ class _Loaded:
     replicated: dict  # source name -> tensor
     targets: dict  # source name -> the model's tensor it goes into
     rng: dict | None
+    frozen: list  # (FrozenSlice, tensor): stage 3's frozen parameters
 
 
 def load(path: PathLike, model: nn.Module, optimizer) -> dict:
@@ -102,7 +104,7 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
     loaded, meta = None, None
     try:
         path, meta, files = open_checkpoint(path)
-        view = model_view(model)
+        view = model_view(model, optimizer)
         with Reader(path, files) as reader:
             loaded = _read_for_rank(path, meta, files, reader, view, model, optimizer)
         # Every rank must read the same checkpoint (a `latest()` racing a save on a shared
@@ -130,8 +132,9 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     # The whole model, by name: trainable parameters and replicated state.
     expected = {n: None for n in view.trainable}
     expected.update({k: list(t.shape) for k, t in view.replicated.items()})
+    expected.update(view.frozen)  # frozen parameters, sharded (stage 3) or replicated, load into either form
     found = {n: None for n in meta["params"]}
-    found.update({k: v["shape"] for k, v in meta["replicated"].items()})
+    found.update({k: v["shape"] for k, v in [*meta["replicated"].items(), *meta["frozen"].items()]})
     # Trainable shapes from the owned slices; a parameter this rank owns nothing of is checked
     # by the ranks that own it, and the exchange makes every rank raise.
     for s in slices:
@@ -168,13 +171,28 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     # Shapes from the file itself, against the model's: copy_ would broadcast a [1] silently.
     replicated = {}
     for k, t in view.replicated.items():
+        if k in meta["frozen"]:  # sharded by a stage-3 save
+            info = meta["frozen"][k]
+            replicated[k] = reader.read_range("frozen", k, info["pieces"], 0, t.numel(),
+                                              getattr(torch, info["dtype"])).view(t.shape)
+            continue
         reader.tensor_slice(REPLICATED, k, list(t.shape))
         replicated[k] = reader.file(REPLICATED).get_tensor(k)
+    frozen = []
+    for s in frozen_runs(optimizer):
+        if s.name in meta["frozen"]:
+            info = meta["frozen"][s.name]
+            frozen.append((s, reader.read_range("frozen", s.name, info["pieces"], s.start, s.numel,
+                                                getattr(torch, info["dtype"]))))
+        else:  # replicated by a stage 0-2 save
+            sl = reader.tensor_slice(REPLICATED, s.name, list(s.shape))
+            frozen.append((s, sl[:].reshape(-1)[s.start: s.start + s.numel] if len(s.shape) == 0
+                           else flat_range(reader.file(REPLICATED), s.name, list(s.shape), s.start, s.numel)))
     rank = optimizer.comm.rank
     rng = None
     if meta["world_size"] == optimizer.comm.world_size:
         rng = read_rank_json(path, rank_json(rank), files)
-    return _Loaded(masters, states, replicated, view.replicated, rng)
+    return _Loaded(masters, states, replicated, view.replicated, rng, frozen)
 
 
 @torch.no_grad()
@@ -202,6 +220,8 @@ def _apply(meta: dict, loaded: _Loaded, optimizer) -> None:
     optimizer.scaler.load_state_dict(scaler)
     optimizer.step_count = int(meta["step"])
     write_replicated(loaded.replicated, loaded.targets)
+    for s, value in loaded.frozen:
+        s.write(value)
     if loaded.rng is not None:
         set_rng_state(loaded.rng)
     elif optimizer.comm.rank == 0:

@@ -108,13 +108,17 @@ def first_disagreement(everyone: list[dict[str, Any]]) -> Optional[str]:
 def describe_trained(model: nn.Module, optimizer) -> dict[str, Any]:
     """What every rank must agree on once initialized (checked again at load): stage-3
     parameters are 1-D shards of rank-dependent sizes by then, so trainable parameters are
-    compared by name, and only what stays replicated by shape."""
+    compared by name, and only what stays replicated by shape; frozen stage-3 parameters
+    (sharded too) by name and dtype."""
     trainable = {id(p) for _, p in optimizer.trainable}
+    sharded = ({t.untyped_storage().data_ptr() for t in optimizer.frozen_tensors()}
+               if optimizer.stage3 is not None else set())
+    items = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if id(t) not in trainable]
     return {
         "Config": optimizer.config.to_dict(),
         "trainable parameters": [n for n, _ in optimizer.trainable],
         "replicated tensors (name, shape, dtype)": [
-            (n, tuple(t.shape), str(t.dtype).replace("torch.", ""))
-            for n, t in model.state_dict(keep_vars=True).items() if id(t) not in trainable],
+            (n, tuple(t.shape) if t.untyped_storage().data_ptr() not in sharded else "sharded",
+             str(t.dtype).replace("torch.", "")) for n, t in items],
         "optimizer": type(optimizer.inner).__name__,
     }

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "secondary_params",
-              "activation_checkpoints")
+              "activation_checkpoints", "frozen_params")
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,13 @@ class MemoryReport:
     activation_checkpoints: int = 0
     activation_checkpoints_on_host: int = 0
     activation_checkpoints_peak: int = 0
+    # Frozen parameters (requires_grad=False): replicated at stages 0-2, sharded at stage 3
+    # ([Note: frozen parameters] in sharding/flat_unit.py); no gradient, master or state.
+    frozen_params: int = 0
 
     @property
     def model_state(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer_states
+        return self.params + self.grads + self.master + self.optimizer_states + self.frozen_params
 
     @property
     def total(self) -> int:

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import math
 from collections import OrderedDict
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -52,6 +52,7 @@ class ShardedModel:
     stage3: object = None  # the stage-3 engine, for gathered_parameters and the ledger
     files: object = None  # the offload directory stage 3's shards opened (the optimizer's states join them)
     tensor_parallel: object = None  # zerodp.tensor_parallel.TensorParallelModel: split parameters, Pa's store
+    frozen: Callable[[], list] = list  # the frozen parameters' storage now, for the ledger
 
 
 @dataclasses.dataclass
@@ -86,6 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.rows = RowSharding(comm, sharded=config.stage >= 1)
         self.grad_sync = sharded.schedule
         self.stage3 = sharded.stage3
+        self.frozen_tensors = sharded.frozen
         stepper = build_stepper(inner, sharded.storages, comm, config.offload, config.compute_dtype,
                                 config.bucket_bytes, sharded.files)
         # [Note: delayed parameter update] in delayed.py (Config.delayed_update_after).

@@ -26,6 +26,7 @@ def measure(opt) -> MemoryReport:
     store = opt.tensor_parallel.checkpoints if opt.tensor_parallel is not None else None
     checkpoints = store.held_tensors() if store is not None else {"device": [], "host": []}
     census.claim("activation_checkpoints", checkpoints["device"] + checkpoints["host"])
+    census.claim("frozen_params", opt.frozen_tensors())
     pool = getattr(opt.grad_sync, "pool", None)
     census.claim("comm_buffers", pool.allocated if pool is not None else ())
     for holder, t in walk_tensors(opt):
@@ -37,6 +38,9 @@ def measure(opt) -> MemoryReport:
     offloaded = Census()
     for st in storages:  # Config.offload_params: the shards themselves
         for kind, tensors in st.offloaded_tensors().items():
+            offloaded.claim(kind, tensors)
+    for unit in (opt.stage3.units if opt.stage3 is not None else []):  # frozen-only units are in no storage
+        for kind, tensors in unit.offloaded_tensors().items():
             offloaded.claim(kind, tensors)
     if stepper.placement.offloaded:
         kept = [*(m for s in stepper.all_shards() for m in s.master_tensors),

@@ -52,6 +52,22 @@ class _UnitView:
     """Marks a saved tensor packed as a view of a unit's gathered buffer."""
 
 
+class _BackwardDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once their gradients are complete,
+    i.e. once every op of the unit that reads them, and so its frozen weights, has run its
+    backward ([Note: frozen parameters] in sharding/flat_unit.py)."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
 class Stage3Engine(BackwardSchedule):
     """The schedule: when each unit is gathered, freed and reduced."""
 
@@ -82,6 +98,8 @@ class Stage3Engine(BackwardSchedule):
             unit.module.register_forward_hook(eager_hook(self._make_post_forward(ui)), always_call=True)
             for p, name in zip(unit.params, unit.names):
                 p.register_post_accumulate_grad_hook(eager_hook(self._make_grad_hook(ui, name)))
+            if unit.frozen:
+                unit.module.register_forward_pre_hook(eager_hook(self._make_input_watch(ui)), with_kwargs=True)
         self._guard_sharded_use(units[-1].module)
         self._owner = [(u, i) for u in units for i in range(len(u.params))]
         self.track([p for u in units for p in u.params], self._clear_grads)
@@ -94,7 +112,7 @@ class Stage3Engine(BackwardSchedule):
         Each module holding unit parameters checks, just before its forward, that their
         units are gathered, and raises naming them; registered after the units' own
         hooks, so a unit's gather runs first."""
-        unit_of = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
+        unit_of = {id(p): ui for ui, u in enumerate(self.units) for p in u.all_params()}
         for mname, m in model.named_modules():
             mine = [(pname, unit_of[id(p)]) for pname, p in m.named_parameters(recurse=False) if id(p) in unit_of]
             if mine:
@@ -121,6 +139,11 @@ class Stage3Engine(BackwardSchedule):
     # -- helpers -----------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
         self._pending = [len(u.params) for u in self.units]
+        # Units holding frozen parameters: calls whose inputs' gradients are not in yet, and
+        # calls run without gradients inside a training forward (reentrant checkpointing),
+        # whose recomputation in backward is watched instead.
+        self._inputs_pending = [0] * len(self.units)
+        self._deferred = [0] * len(self.units)
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
         self.queue.rewind()
@@ -224,23 +247,24 @@ class Stage3Engine(BackwardSchedule):
             return t
         ptr = t.untyped_storage().data_ptr()
         for ui in list(self._live):  # the few gathered units, not every unit
-            unit = self.units[ui]
-            if unit.full is None:
+            buffers = self.units[ui].gathered_buffers()
+            if not buffers:
                 self._live.discard(ui)
-            elif ptr == unit.full.untyped_storage().data_ptr():
-                return (_UnitView, ui, t.storage_offset(), tuple(t.shape), t.stride())
+            for bi, buf in buffers:
+                if ptr == buf.untyped_storage().data_ptr():
+                    return (_UnitView, ui, bi, t.storage_offset(), tuple(t.shape), t.stride())
         return t
 
     def _unpack(self, packed):
         if not (isinstance(packed, tuple) and packed and packed[0] is _UnitView):
             return packed
-        _, ui, offset, shape, stride = packed
+        _, ui, bi, offset, shape, stride = packed
         unit = self.units[ui]
-        if unit.full is None or unit.state is UnitState.SHARDED:
+        if unit.buffer(bi) is None or unit.state is UnitState.SHARDED:
             raise RuntimeError(f"rank {self.comm.rank}: backward needs the parameters of stage-3 unit {unit.name}, "
                                f"which are not gathered: was a parameter of it used outside the unit's forward?")
         unit.wait()
-        view = unit.full.as_strided(shape, stride, offset)
+        view = unit.buffer(bi).as_strided(shape, stride, offset)
         # A backward with create_graph=True (a gradient penalty) records what it unpacks in
         # the double-backward graph, which outlives this gather: the pooled buffer is reused
         # by the next forward, so that graph gets a copy of its own.
@@ -271,11 +295,50 @@ class Stage3Engine(BackwardSchedule):
             if not self.first_arrival(param, name, unit.training_state is TrainingState.POST_BACKWARD):
                 return
             self._pending[ui] -= 1
-            if self._pending[ui] == 0:
-                self._unit_done(unit)
-                if self.reduces_now:
-                    self.record_done(ui)
-                self.queue.launch_ready()
+            self._maybe_done(ui)
+        return hook
+
+    def _maybe_done(self, ui: int) -> None:
+        """The unit's backward is over once its trainable parameters' gradients are in and,
+        with frozen parameters, its inputs' gradients too."""
+        if self._pending[ui] == 0 and self._inputs_pending[ui] <= 0:
+            if self.units[ui].training_state is TrainingState.POST_BACKWARD:
+                return
+            self._unit_done(self.units[ui])
+            if self.reduces_now:
+                self.record_done(ui)
+            self.queue.launch_ready()
+
+    def _make_input_watch(self, ui: int):
+        """Forward pre-hook of a unit with frozen parameters: its inputs that need a gradient
+        pass through `_BackwardDone`, which tells when the unit's backward is over."""
+        def done() -> None:
+            self._inputs_pending[ui] -= 1
+            if self.units[ui].training_state is TrainingState.PRE_BACKWARD:
+                self._maybe_done(ui)
+
+        def hook(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                if self._forward_trains and not inside_backward():
+                    self._deferred[ui] += 1  # reentrant checkpointing: its recomputation is watched
+                return None
+            if inside_backward():
+                if self._deferred[ui] == 0:
+                    return None  # a recomputation whose first run is watched already
+                self._deferred[ui] -= 1
+            where = [("a", i) for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+            where += [("k", k) for k, v in kwargs.items() if torch.is_tensor(v) and v.requires_grad]
+            if not where:
+                return None
+            self._inputs_pending[ui] += 1
+            outs = _BackwardDone.apply(done, *[args[i] if kind == "a" else kwargs[i] for kind, i in where])
+            args, kwargs = list(args), dict(kwargs)
+            for (kind, i), t in zip(where, outs):
+                if kind == "a":
+                    args[i] = t
+                else:
+                    kwargs[i] = t
+            return tuple(args), kwargs
         return hook
 
     def _unit_done(self, unit: FlatUnit) -> None:
@@ -356,7 +419,7 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
         if engine is None:
             continue
         for unit in engine.units:
-            if any(id(p) in wanted for p in unit.params):
+            if any(id(p) in wanted for p in unit.all_params()):
                 chosen.append((engine, unit))
     # Every chosen unit is gathered at once: a one-off peak the pools give back on exit
     # (kept, it would hold the whole model's parameters for the rest of the run).
@@ -369,8 +432,12 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
         if modify:
             with torch.no_grad():
                 for engine, unit in chosen:
-                    engine.comm.broadcast(unit.full, 0, "init")
-                    unit.shard.copy_(unit.own_chunk(unit.full))
+                    if not unit.empty:
+                        engine.comm.broadcast(unit.full, 0, "init")
+                        unit.shard.copy_(unit.own_chunk(unit.full))
+                    for part in unit.frozen:
+                        engine.comm.broadcast(part.full, 0, "init")
+                        part.write_back()
                 if optimizer is not None:
                     optimizer.refresh_master_from_params()
         for _, unit in chosen:

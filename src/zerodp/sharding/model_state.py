@@ -114,11 +114,15 @@ def _aliases(module: nn.Module, ours: set) -> dict[int, list[str]]:
 
 
 def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint") -> list[torch.Tensor]:
-    """Every parameter of the unit, whole, on every rank (one all-gather per segment)."""
-    wanted = {i: (0, slot.numel) for i, slot in enumerate(unit.layout.slots)}
-    runs = gather_runs(unit.layout, unit.gather_source(), unit.collectives, wanted, phase, label=f"unit {unit.name}")
-    unit.release_staged()
-    return [runs[i].view(slot.shape) for i, slot in enumerate(unit.layout.slots)]
+    """Every parameter of the unit (`unit.all_params()`: trainable, then frozen), whole, on
+    every rank (one all-gather per part)."""
+    out = []
+    for part in unit.parts():
+        wanted = {i: (0, slot.numel) for i, slot in enumerate(part.layout.slots)}
+        runs = gather_runs(part.layout, part.gather_source(), part.collectives, wanted, phase, label=unit.label)
+        part.release_staged()
+        out += [runs[i].view(slot.shape) for i, slot in enumerate(part.layout.slots)]
+    return out
 
 
 def _finer(value: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -139,12 +143,12 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                              settle: Callable[[], None]) -> None:
     """Stage 3: the state dict of the model and of each submodule is the sharded one the
     module docstring describes; a load calls `on_loaded` with what it gave each parameter."""
-    ours = {id(p) for u in units for p in u.params}
+    ours = {id(p) for u in units for p in u.all_params()}
     saving, loading = _Outermost(), _Outermost()
 
-    def present(u: FlatUnit, state_dict, prefix, aliases) -> dict[int, list[str]]:
-        """Slot -> the keys of the state dict that name that parameter of the unit (the same
-        keys on every rank: a unit outside the subtree is skipped by all)."""
+    def present(u, state_dict, prefix, aliases) -> dict[int, list[str]]:
+        """Slot -> the keys of the state dict that name that parameter of the unit's part
+        `u` (the same keys on every rank: a unit outside the subtree is skipped by all)."""
         out = {}
         for i, p in enumerate(u.params):
             keys = [prefix + n for n in aliases.get(id(p), []) if prefix + n in state_dict]
@@ -164,38 +168,40 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         if not saving.leave(module, prefix) or saving.keep_vars:
             return
         aliases = _aliases(module, ours)
-        for u in units:
+        for unit in units:
             # A gathered unit (inside gathered_parameters) holds its parameters whole, in
             # place: torch's own state dict took the full values.
-            if u.empty or (u.state is not UnitState.SHARDED and u.exact):
+            if unit.state is not UnitState.SHARDED and unit.exact:
                 continue
-            named = present(u, state_dict, prefix, aliases)
-            if not named:
-                continue
-            if rows.sharded:
-                wanted = {i: rows.row_range(u.layout.slots[i].shape) for i in named}
-                local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
-                                    label=f"unit {u.name}")
-                u.release_staged()
-            else:  # one rank holds the unit whole
-                local = {i: u.shard[u.layout.slots[i].offset: u.layout.slots[i].offset + u.layout.slots[i].numel]
-                         for i in named}
-            for i, keys in named.items():
-                value = rows.wrap(local[i].detach(), u.layout.slots[i].shape)
-                for key in keys:
-                    state_dict[key] = value
+            for u in unit.parts():
+                named = present(u, state_dict, prefix, aliases)
+                if not named:
+                    continue
+                if rows.sharded:
+                    wanted = {i: rows.row_range(u.layout.slots[i].shape) for i in named}
+                    local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
+                                        label=unit.label)
+                    u.release_staged()
+                else:  # one rank holds the unit whole
+                    local = {i: u.shard[u.layout.slots[i].offset: u.layout.slots[i].offset + u.layout.slots[i].numel]
+                             for i in named}
+                for i, keys in named.items():
+                    value = rows.wrap(local[i].detach(), u.layout.slots[i].shape)
+                    for key in keys:
+                        state_dict[key] = value
 
     def found_in(state_dict, prefix, aliases) -> list:
         """(unit, {slot: unwrap's (kind, value)}) of every sharded unit the state dict has keys
         of; of a tied parameter's names the last one present, whose value torch copies last."""
         out = []
-        for u in units:
-            if u.state is not UnitState.SHARDED:
+        for unit in units:
+            if unit.state is not UnitState.SHARDED:
                 continue
-            named = present(u, state_dict, prefix, aliases)
-            if named:
-                out.append((u, {i: rows.unwrap(state_dict[keys[-1]], u.layout.slots[i].shape, keys[-1])
-                                for i, keys in named.items()}))
+            for u in unit.parts():
+                named = present(u, state_dict, prefix, aliases)
+                if named:
+                    out.append((u, {i: rows.unwrap(state_dict[keys[-1]], u.layout.slots[i].shape, keys[-1])
+                                    for i, keys in named.items()}))
         return out
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -231,21 +237,24 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         m.register_load_state_dict_post_hook(load_post_hook)
 
 
-def _into_unit(u: FlatUnit, found: dict, rows: RowSharding) -> dict[str, LoadedValues]:
-    """Write `found`'s values into the unit's shard (this rank's elements of them); what they
-    were, for the master, by parameter name. Values finer than the shard (fp32 into bf16)
-    travel in fp32, so that the master gets them unrounded."""
-    finer = {i for i, (_, v) in found.items() if _finer(v, u.shard.dtype)}
+def _into_unit(u, found: dict, rows: RowSharding) -> dict[str, LoadedValues]:
+    """Write `found`'s values into the shard of a unit's part `u` (this rank's elements of
+    them); what they were, for the master, by trainable parameter's name. Values finer than
+    the shard (fp32 into bf16) travel in fp32, so that the master gets them unrounded."""
+    trainable = isinstance(u, FlatUnit)  # else a FrozenPart: no master to refresh
+    finer = {i for i, (_, v) in found.items() if trainable and _finer(v, u.shard.dtype)}
     dtype = torch.float32 if finer else u.shard.dtype
-    shard = rows.into_shard(u.layout, found, u.collectives, dtype, u.device, label=f"unit {u.name}")
+    shard = rows.into_shard(u.layout, found, u.collectives, dtype, u.device, label=u.label)
     loaded = {}
     for i in found:
         pieces = u.layout.slot_pieces(i, u.rank)
         for _, s, n in pieces:
             u.shard[s: s + n].copy_(shard[s: s + n])
-        loaded[u.names[i]] = LoadedValues(tuple((start, shard[s: s + n]) for start, s, n in pieces)
-                                          if i in finer else ())
-    u.drop_secondary()  # hpZ's copy holds the values before the load
+        if trainable:
+            loaded[u.names[i]] = LoadedValues(tuple((start, shard[s: s + n]) for start, s, n in pieces)
+                                              if i in finer else ())
+    if trainable:
+        u.drop_secondary()  # hpZ's copy holds the values before the load
     return loaded
 
 

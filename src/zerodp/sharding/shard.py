@@ -16,7 +16,7 @@ from ..memory.placement import Placement, open_placement
 from ..memory.pool import BufferPool
 from .flat_group import FlatParamGroup
 from ..distributed.quantized import QuantizedCollectives
-from .flat_unit import ONE_SEGMENT, FlatUnit, SecondaryPartition, UnitGroupView
+from .flat_unit import ONE_SEGMENT, FlatUnit, SecondaryPartition, UnitGroupView, frozen_dtype
 from .meta_init import check_same_initialisation, default_device, has_meta, materialize
 from .prepare import apply_compute_dtype, replicate_from_rank0
 from .units import assign_params, encloses, select_units
@@ -75,32 +75,37 @@ class _UnitBuild:
 
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, units_policy: UnitPolicy,
                 precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy) -> ShardedUnits:
-    """Split `model` into units and shard each unit's trainable parameters. A model built
+    """Split `model` into units and shard each unit's parameters, trainable ones (`named`)
+    and frozen ones ([Note: frozen parameters] in flat_unit.py). A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
     directory opened here is closed again if anything fails."""
     units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params)
-    assignment = assign_params(model, units, named)
-    # A unit with no trainable parameter is not built, except the root, whose hooks begin
+    trainable = {id(p) for _, p in named}
+    frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in trainable]
+    everything = named + frozen  # index < len(named): trainable
+    assignment = assign_params(model, units, everything)
+    # A unit with no parameter is not built, except the root, whose hooks begin
     # and end every pass (it may own none: `unit_modules=(nn.Linear,)` leaves it nothing).
     to_build = [ui for ui, idx in enumerate(assignment) if idx or ui == len(units) - 1]
     placement = shard_placement(offload, precision, comm,
-                                [[named[i][1].shape for i in assignment[ui]] for ui in to_build])
+                                [[everything[i][1] for i in assignment[ui]] for ui in to_build],
+                                [[i >= len(named) for i in assignment[ui]] for ui in to_build])
     try:
-        return _shard_units(model, named, group_indices, _UnitBuild(comm, precision, zeropp, placement), units,
-                            assignment, to_build)
+        return _shard_units(model, everything, len(named), group_indices,
+                            _UnitBuild(comm, precision, zeropp, placement), units, assignment, to_build)
     except BaseException:
         placement.close()  # the directory can be used again at once
         raise
 
 
-def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], build_with: _UnitBuild,
-                 units: list, assignment: list, to_build: list) -> ShardedUnits:
+def _shard_units(model: nn.Module, everything: list, n_trainable: int, group_indices: list[list[int]],
+                 build_with: _UnitBuild, units: list, assignment: list, to_build: list) -> ShardedUnits:
     comm, precision, placement = build_with.comm, build_with.precision, build_with.placement
-    names = [n for n, _ in named]
+    names = [n for n, _ in everything]
     unit_of = {i: ui for ui, idx in enumerate(assignment) for i in idx}
     remaining = [len(idx) for idx in assignment]
-    current = {i: p for i, (_, p) in enumerate(named)}
+    current = {i: p for i, (_, p) in enumerate(everything)}
     built: dict[int, FlatUnit] = {}
     pool, secondary_pool = BufferPool(), BufferPool()
     transfer = training_collectives(comm, build_with.zeropp)
@@ -110,16 +115,17 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
     born_sharded = has_meta(model)
 
     def build(ui: int) -> None:
-        idx = assignment[ui]
+        idx = [i for i in assignment[ui] if i < n_trainable]
+        frozen = tuple((names[i], current[i]) for i in assignment[ui] if i >= n_trainable)
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
                              comm, precision.compute_dtype, precision.reduce_dtype, pool,
                              sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
-                             placement=placement)
+                             placement=placement, frozen=frozen)
         if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
             hostmem.release_free_heap()
 
     if born_sharded:
-        old_index = {id(p): i for i, (_, p) in enumerate(named)}
+        old_index = {id(p): i for i, (_, p) in enumerate(everything)}
 
         def on_param(old, new):
             i = old_index.get(id(old))
@@ -139,7 +145,7 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
         check_same_initialisation(flat_units, comm)
     for u in flat_units:
         u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
-    sharded = {id(p) for u in flat_units for p in u.params}
+    sharded = {id(p) for u in flat_units for p in u.all_params()}
     replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
     apply_compute_dtype(model, precision.compute_dtype, skip=sharded, cast_buffers=precision.cast_buffers)
     name_index = {n: i for i, n in enumerate(names)}
@@ -152,22 +158,34 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
             if local:
                 views.append(UnitGroupView(u, local))
         group_views.append(views)
-    return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names)], pool,
+    return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names[:n_trainable])], pool,
                         secondary_pool, placement)
 
 
-def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_shapes: list) -> Placement:
+def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_params: list,
+                    unit_frozen: list) -> Placement:
     """Where the units' shards live (Config.offload_params; [Note: placement] in
-    memory/placement.py). On disk, the parameter and gradient shard of every unit to be
-    built (`unit_shapes`: the shapes of each one's parameters) is reserved now, so that a
-    disk too small fails here, on every rank, before any unit is built."""
+    memory/placement.py). On disk, the parameter, gradient and frozen shards of every unit
+    to be built (`unit_params`: each one's parameters; `unit_frozen`: which are frozen) are
+    reserved now, so that a disk too small fails here, on every rank, before any unit is built."""
     if offload.params != "disk":
         return open_placement(offload.params, comm)
     # The layout each unit is built with: a unit with no parameter still keeps a shard of
     # one element per rank (its layout is padded to the shard size), as FlatUnit lays it out.
-    numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel for shapes in unit_shapes]
+    numels, frozen_shards = [], []
+    for params, frozen in zip(unit_params, unit_frozen):
+        numels.append(FlatLayout([p.shape for p, f in zip(params, frozen) if not f], comm.shard_size,
+                                 ONE_SEGMENT).shard_numel)
+        by_dtype: dict = {}
+        for p, f in zip(params, frozen):
+            if f:
+                by_dtype.setdefault(frozen_dtype(p, precision.compute_dtype), []).append(p.shape)
+        frozen_shards += [(FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel, dtype)
+                          for dtype, shapes in by_dtype.items()]
     reserve = [(purpose, Arena.nbytes_for([(n, dtype) for n in numels]))
                for purpose, dtype in (("params", precision.compute_dtype), ("grads", precision.reduce_dtype))]
+    if frozen_shards:
+        reserve.append(("frozen", Arena.nbytes_for(frozen_shards)))
     return open_placement("disk", comm, offload.directory, reserve=reserve,
                           what="placing the parameter shards (Config.offload_params='disk')")
 
