@@ -223,7 +223,14 @@ def resume_from(root, saved_path, stage, tag):
     return {"extra": extra, "after_load": after_load, "end": full_state(model),
             "sgd_end": sgd_continuation(after_load, stage), "roundtrip_equal": same(arrays_then, arrays_now),
             "roundtrip_meta_equal": all(meta_then[k] == meta_now[k] for k in
-                                        ("step", "scalar_states", "param_groups", "state_dict_keys", "state_keys"))}
+                                        ("step", "scalar_states", "param_groups", "state_keys"))
+            and stored_keys(meta_then) == stored_keys(meta_now)}
+
+
+def stored_keys(meta):
+    """The state dict's keys and names; a frozen parameter is "frozen" (sharded) in a stage-3
+    checkpoint and "replicated" in a stage 0-2 one, the same tensor either way."""
+    return [[key, "replicated" if kind == "frozen" else kind, src] for key, kind, src in meta["state_dict_keys"]]
 
 
 def world_one_first(rank, world_size, root):

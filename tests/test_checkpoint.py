@@ -110,7 +110,15 @@ def test_checkpoint_layout(worlds):
     s3 = _assert_pieces_cover_once(worlds["w2"][0]["r2s3"]["path"], 2)
     assert s3["stage"] == 3
     assert {k: v["shape"] for k, v in s3["params"].items()} == {k: v["shape"] for k, v in meta["params"].items()}
-    assert s3["state_dict_keys"] == meta["state_dict_keys"] and s3["replicated"] == meta["replicated"]
+    # The frozen parameter is sharded at stage 3: each rank writes its run of it, once in all.
+    assert s3["replicated"] == {"temperature": meta["replicated"]["temperature"]}
+    assert s3["frozen"] == {"out_bias": {**meta["replicated"]["out_bias"], "pieces": [[0, 0, 128], [1, 128, 128]]}}
+    frozen_numel = sum(t.numel() for r in range(2) for k, t in
+                       load_file(os.path.join(worlds["w2"][0]["r2s3"]["path"], f"rank{r}.safetensors")).items()
+                       if k.startswith("frozen/"))
+    assert frozen_numel == 256
+    assert s3["state_dict_keys"] == [[k, "frozen" if k == "out_bias" else kind, src]
+                                     for k, kind, src in meta["state_dict_keys"]]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

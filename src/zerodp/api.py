@@ -84,7 +84,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     (keyword arguments follow) or a callable params -> optimizer; its param groups keep
     their hyperparameters. Frozen parameters (requires_grad=False) are sharded with their
     unit at stage 3 and replicated at stages 0-2, as the paper defines the stages; they get
-    no gradient, master or optimizer state ([Note: frozen parameters] in sharding/flat_unit.py).
+    no gradient, master or optimizer state ([Note: frozen parameters] in sharding/frozen.py).
     """
     if config is None:
         config = Config()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..sharding.flat_unit import frozen_slices
+from ..sharding.frozen import frozen_slices
 
 __all__ = ["CheckpointError", "InvalidCheckpoint", "ModelView", "PathLike", "frozen_runs", "model_view"]
 

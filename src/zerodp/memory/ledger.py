@@ -53,7 +53,7 @@ class MemoryReport:
     activation_checkpoints_on_host: int = 0
     activation_checkpoints_peak: int = 0
     # Frozen parameters (requires_grad=False): replicated at stages 0-2, sharded at stage 3
-    # ([Note: frozen parameters] in sharding/flat_unit.py); no gradient, master or state.
+    # ([Note: frozen parameters] in sharding/frozen.py); no gradient, master or state.
     frozen_params: int = 0
 
     @property

@@ -55,7 +55,7 @@ class _UnitView:
 class _BackwardDone(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once their gradients are complete,
     i.e. once every op of the unit that reads them, and so its frozen weights, has run its
-    backward ([Note: frozen parameters] in sharding/flat_unit.py)."""
+    backward ([Note: frozen parameters] in sharding/frozen.py)."""
 
     @staticmethod
     def forward(ctx, done, *tensors):

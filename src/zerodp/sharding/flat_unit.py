@@ -13,19 +13,6 @@ Autograd would keep views of a buffer that forward saved for backward, and by th
 buffer may hold another unit; so while a stage-3 model runs forward, saved tensors that
 lie in a unit's buffer are packed as (unit, offset, shape, stride) and unpacked from the
 unit's buffer of the moment, which backward has gathered again (stage3.py).
-
-[Note: frozen parameters]
-A unit's frozen parameters (requires_grad=False: a fine-tune's pretrained base) are
-sharded too, as DeepSpeed's ZeRO-3 and FSDP2 shard them: a rank keeps 1/N of them between
-uses, so a frozen base of Ψ_f elements costs 2Ψ_f/N bytes per rank in 16 bits instead of
-2Ψ_f. They live in `FrozenPart`s, one per dtype (a bf16 base beside fp32 adapters in one
-unit, which FSDP2 cannot mix), gathered and freed with the unit's trainable parameters,
-with their own collective: no gradient buffer, no reduction, no optimizer state, no master.
-Their gathers move exact values (never ZeRO++'s quantized transfer nor hpZ's node copy).
-A frozen fp32 parameter takes the compute dtype, as a replicated one does at stages 0-2.
-The trainable parameters' gradient hooks no longer tell when the unit's backward is over
-(a frozen weight is still read by the op that computes its input's gradient), so the
-schedule also waits for the gradients of the unit's inputs (stage3.py, `_BackwardDone`).
 """
 from __future__ import annotations
 
@@ -42,12 +29,9 @@ from ..memory import hostmem
 from ..memory.layout import FlatLayout, Piece
 from ..memory.pool import BufferPool
 from ..memory.placement import Placement
+from .frozen import ONE_SEGMENT, FrozenPart, fingerprint, frozen_dtype
 
-__all__ = ["FlatUnit", "FrozenPart", "FrozenSlice", "SecondaryPartition", "frozen_slices", "TrainingState", "UnitGroupView", "UnitState",
-           "frozen_dtype"]
-
-# A unit is one segment: gathered and reduced with one collective each.
-ONE_SEGMENT = 1 << 62
+__all__ = ["ONE_SEGMENT", "FlatUnit", "SecondaryPartition", "TrainingState", "UnitGroupView", "UnitState"]
 
 
 @dataclass(frozen=True)
@@ -58,94 +42,6 @@ class SecondaryPartition:
 
     collectives: Collectives
     pool: BufferPool
-
-
-def _fingerprint(full: torch.Tensor) -> tuple[float, float]:
-    """(sum, norm) of a unit's values in float64, a million elements at a time: an upcast of
-    the whole unit would hold twice its bytes at once (measured: +128 MiB per 64 MiB unit)."""
-    total, squares = 0.0, 0.0
-    for part in full.split(1 << 20):
-        part = part.double()
-        total += float(part.sum())
-        squares += float(torch.linalg.vector_norm(part)) ** 2
-    return total, squares ** 0.5
-
-
-def frozen_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a frozen parameter is kept and computed in ([Note: frozen parameters])."""
-    return compute_dtype if param.dtype == torch.float32 else param.dtype
-
-
-class FrozenPart:
-    """A unit's frozen parameters of one dtype: sharded, gathered with the unit, never
-    reduced nor stepped ([Note: frozen parameters]). It offers the attributes a state dict
-    reads of a unit's storage: layout, shard, params, names, rank, collectives, gather_source."""
-
-    def __init__(self, label: str, params: list[nn.Parameter], names: list[str], dtype: torch.dtype, comm: Comm,
-                 device: torch.device, pool: BufferPool, placement: Placement, sync_from_rank0: bool):
-        self.label, self.params, self.names, self.dtype = label, params, names, dtype
-        self.rank, self.collectives = comm.shard_rank, comm.collectives("shard")
-        self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT)
-        self.device, self.pool, self.placement = device, pool, placement
-        full = self.layout.flatten(params, dtype, device)
-        if sync_from_rank0:  # every rank starts from rank 0's values, as DDP does
-            comm.broadcast(full, 0, "init", label=label)
-        self.init_fingerprint = None if sync_from_rank0 else _fingerprint(full)
-        self.shard = placement.copy_of(self.own_chunk(full), dtype, arena="frozen")
-        del full
-        self.full: Optional[torch.Tensor] = None
-        self.full_nbytes = self.layout.padded_numel * self.shard.element_size()
-        self.work = None
-        self._staged: Optional[torch.Tensor] = None
-        self._point_at_shard()
-
-    def own_chunk(self, full: torch.Tensor) -> torch.Tensor:
-        c = self.layout.chunk(0, self.rank)
-        return full[c.flat_start: c.flat_start + c.numel]
-
-    def _point_at_shard(self) -> None:
-        for i, p in enumerate(self.params):
-            pieces = self.layout.slot_pieces(i, self.rank)
-            p.data = self.shard[pieces[0][1]: pieces[0][1] + pieces[0][2]] if pieces else self.shard[:0]
-
-    def gather_source(self) -> torch.Tensor:
-        if not self.placement.offloaded:
-            return self.shard
-        if self._staged is None:
-            self._staged = self.pool.get(self.shard.numel(), self.shard.dtype, self.device)
-            self.placement.stage_in(self.shard, self._staged)
-        return self._staged
-
-    def release_staged(self) -> None:
-        if self._staged is not None:
-            self.pool.put(self._staged)
-            self._staged = None
-
-    def unshard(self, phase: str, async_op: bool) -> None:
-        self.full = self.pool.get(self.layout.padded_numel, self.dtype, self.device)
-        self.work = self.collectives.all_gather(self.full, self.gather_source(), phase, async_op=async_op,
-                                                label=self.label)
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        self.release_staged()
-        if self.full is not None:
-            with torch.no_grad():
-                for p, view in zip(self.params, self.layout.views(self.full)):
-                    p.data = view
-
-    def reshard(self) -> None:
-        self.wait()
-        self._point_at_shard()
-        if self.full is not None:
-            self.pool.put(self.full)
-            self.full = None
-
-    def write_back(self) -> None:
-        """The gathered values (edited in place) become the shard's."""
-        self.placement.write(self.shard, self.own_chunk(self.full))
 
 
 class UnitState(enum.Enum):
@@ -206,7 +102,7 @@ class FlatUnit:
         self.frozen = [FrozenPart(self.label, [p for _, p in group], [n for n, _ in group], dtype, comm, device, pool,
                                   self.placement, sync_from_rank0) for dtype, group in by_dtype.items()]
         self.init_fingerprint = None if sync_from_rank0 else (
-            _fingerprint(full_fp32) + tuple(x for part in self.frozen for x in part.init_fingerprint))
+            fingerprint(full_fp32) + tuple(x for part in self.frozen for x in part.init_fingerprint))
         self.device = device  # where the unit computes: gathers and reductions happen here
         # Long-lived, so outside the C heap: [Note: long-lived host buffers] in memory/hostmem.py.
         self._initial_fp32: Optional[torch.Tensor] = hostmem.copy_of(own) if compute_dtype != torch.float32 else None
@@ -506,38 +402,6 @@ class FlatUnit:
         """The shards kept off the device, by placement ("host" or "disk")."""
         return ({self.placement.kind: [self.shard, self.grad_shard, *(part.shard for part in self.frozen)]}
                 if self.placement.offloaded else {})
-
-
-@dataclass(frozen=True)
-class FrozenSlice:
-    """A run of a frozen parameter's elements that this rank keeps at stage 3, as a
-    checkpoint reads and writes it: [start, start + numel) of the flattened parameter."""
-
-    name: str
-    shape: tuple
-    dtype: torch.dtype
-    start: int
-    numel: int
-    value: torch.Tensor  # a view of the frozen part's shard
-    placement: Placement
-
-    def read(self) -> torch.Tensor:
-        return self.placement.read(self.value)
-
-    def write(self, value: torch.Tensor) -> None:
-        self.placement.write(self.value, value.to(self.dtype))
-
-
-def frozen_slices(units: list) -> list[FrozenSlice]:
-    """Every owned run of every unit's frozen parameters ([Note: frozen parameters])."""
-    out = []
-    for unit in units:
-        for part in unit.frozen:
-            for i, slot in enumerate(part.layout.slots):
-                for start, s, n in part.layout.slot_pieces(i, part.rank):
-                    out.append(FrozenSlice(part.names[i], slot.shape, part.dtype, start, n, part.shard[s: s + n],
-                                           part.placement))
-    return out
 
 
 class UnitGroupView:

@@ -16,7 +16,8 @@ from ..memory.placement import Placement, open_placement
 from ..memory.pool import BufferPool
 from .flat_group import FlatParamGroup
 from ..distributed.quantized import QuantizedCollectives
-from .flat_unit import ONE_SEGMENT, FlatUnit, SecondaryPartition, UnitGroupView, frozen_dtype
+from .flat_unit import ONE_SEGMENT, FlatUnit, SecondaryPartition, UnitGroupView
+from .frozen import frozen_dtype
 from .meta_init import check_same_initialisation, default_device, has_meta, materialize
 from .prepare import apply_compute_dtype, replicate_from_rank0
 from .units import assign_params, encloses, select_units
@@ -76,7 +77,7 @@ class _UnitBuild:
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, units_policy: UnitPolicy,
                 precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy) -> ShardedUnits:
     """Split `model` into units and shard each unit's parameters, trainable ones (`named`)
-    and frozen ones ([Note: frozen parameters] in flat_unit.py). A model built
+    and frozen ones ([Note: frozen parameters] in frozen.py). A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
     directory opened here is closed again if anything fails."""
