@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .checkpoint.full_state import install_save_pretrained
 from .config import Config, ConfigError
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
@@ -149,6 +150,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             raise
         install_state_dict_hooks(model, sharded.units, opt.rows, on_loaded=opt.refresh_master_from_params,
                                  settle=opt.settle)
+        install_save_pretrained(model, opt)  # a state dict of DTensors is not what it writes
         log.info("rank %d: stage 3 over %d ranks, %d units (%s)", comm.rank, comm.world_size, len(sharded.units),
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))
     else:

@@ -9,6 +9,7 @@ rank0_only on other ranks). Tied weights stay one tensor under each of their nam
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -17,34 +18,79 @@ from torch import nn
 from ..sharding.model_state import full_unit_tensors
 from .format import PathLike, describe_error, plain_module, raise_if_failed, refuse_tensor_parallel
 
-__all__ = ["full_state_dict", "save_pretrained"]
+__all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cpu_offload: bool = True) -> dict:
+def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cpu_offload: bool = True,
+                    frozen_values: bool = True) -> dict:
     """The model's state dict with every tensor whole, under the model's own names and
     shapes, in the dtype the model computes in. Collective: every rank calls it; with
-    `rank0_only` the other ranks get {} (and hold nothing after each unit's gather)."""
+    `rank0_only` the other ranks get {} (and hold nothing after each unit's gather). With
+    `frozen_values=False` frozen parameters come as meta tensors of their full shape and
+    dtype, nothing gathered nor copied: for a save of adapters only (a PEFT model's)."""
+    return _full_state(model, optimizer, not rank0_only or optimizer.comm.rank == 0, cpu_offload, frozen_values)
+
+
+def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, frozen_values: bool) -> dict:
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     refuse_tensor_parallel(optimizer, "zerodp.full_state_dict")
     optimizer.settle()  # a delayed update in flight reaches the parameters first
-    keep = not rank0_only or optimizer.comm.rank == 0
-
+    units = optimizer.stage3.units if optimizer.stage3 is not None else []
+    frozen_shapes = {id(p): slot.shape for u in units for part in u.frozen
+                     for p, slot in zip(part.params, part.layout.slots)}
+    frozen_shapes.update({id(p): p.shape for p in model.parameters() if not p.requires_grad and id(p) not in
+                          frozen_shapes})
     whole: dict[int, torch.Tensor] = {}  # id(parameter) -> a tensor of its own, not training memory
-    for unit in (optimizer.stage3.units if optimizer.stage3 is not None else []):
-        if not unit.parts():
+    for unit in units:
+        parts = unit.parts() if frozen_values else ([] if unit.empty else [unit])
+        if not parts:
             continue
-        for p, t in zip(unit.all_params(), full_unit_tensors(unit)):  # fresh tensors: no copy needed
+        params = [p for part in parts for p in part.params]
+        for p, t in zip(params, full_unit_tensors(unit, parts=parts)):  # fresh tensors: no copy needed
             if keep:
                 whole[id(p)] = t.cpu() if cpu_offload else t
     if not keep:
         return {}
     result = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in whole:
-            whole[id(t)] = t.detach().to("cpu" if cpu_offload else t.device, copy=True)
-        result[key] = whole[id(t)]
+    with torch.no_grad():
+        for key, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in whole:
+                whole[id(t)] = (torch.empty(frozen_shapes[id(t)], dtype=t.dtype, device="meta")
+                                if not frozen_values and id(t) in frozen_shapes
+                                else t.detach().to("cpu" if cpu_offload else t.device, copy=True))
+            result[key] = whole[id(t)]
     return result
+
+
+def install_save_pretrained(model: nn.Module, optimizer) -> None:
+    """Stage 3: the model's own `save_pretrained` (Hugging Face's, or a PEFT model's) writes
+    whole tensors. Called on every rank with `is_main_process` (as the Trainer and accelerate
+    call it), it gathers one unit at a time into the main process's CPU memory, which alone
+    writes; a failure there is raised on every rank. A PEFT model gathers its trainable
+    parameters only (the adapters it saves), not its frozen base. A call that passes its own
+    `state_dict` (zerodp.save_pretrained, the Trainer's) is the method as it was."""
+    plain = plain_module(model)
+    original = getattr(plain, "save_pretrained", None)
+    if original is None:
+        return
+    adapters_only = hasattr(plain, "peft_config")
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory, *args, is_main_process: bool = True, state_dict=None, **kwargs):
+        if state_dict is not None:
+            return original(save_directory, *args, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        state = _full_state(plain, optimizer, bool(is_main_process), True, frozen_values=not adapters_only)
+        status = {"ok": True}
+        if is_main_process:
+            try:
+                original(save_directory, *args, is_main_process=True, state_dict=state, **kwargs)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                status = {"ok": False, "error": describe_error(e)}
+        raise_if_failed(optimizer.comm.all_gather_object(status, "checkpoint"),
+                        f"{type(plain).__name__}.save_pretrained to {save_directory}")
+
+    plain.save_pretrained = save_pretrained
 
 
 def save_pretrained(model: nn.Module, save_directory: PathLike, optimizer, **kwargs) -> None:

@@ -1,5 +1,7 @@
 """Hugging Face's Trainer with zerodp: change `from transformers import Trainer` to
-`from zerodp.integrations.hf import Trainer` and give it a `zerodp_config`.
+`from zerodp.integrations.hf import Trainer` and give it a `zerodp_config`. Any other
+`transformers.Trainer` subclass (TRL's SFTTrainer, DPOTrainer, ...) gets the same with
+`with_zerodp(SFTTrainer)`, a subclass that takes `zerodp_config` too.
 
 The Trainer wires DeepSpeed and FSDP through accelerate; this subclass plugs zerodp into
 the same seams, and leaves everything else (the data loaders, evaluation, logging, the
@@ -61,7 +63,8 @@ from ..optim import ZeroOptimizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "CHECKPOINT_DIR", "STAGING_DIR", "last_complete_checkpoint"]
+__all__ = ["Trainer", "ZeroTrainerMixin", "CHECKPOINT_DIR", "STAGING_DIR", "last_complete_checkpoint",
+           "with_zerodp"]
 
 CHECKPOINT_DIR = "zerodp"  # inside each checkpoint-N folder
 STAGING_DIR = ".zerodp-staging"  # inside the output dir: checkpoint-N while it is written
@@ -90,8 +93,9 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
     return None
 
 
-class Trainer(transformers.Trainer):
-    """transformers.Trainer, training with zerodp (see the module docstring)."""
+class ZeroTrainerMixin:
+    """What zerodp changes in a `transformers.Trainer` (see the module docstring); it comes
+    before the Trainer class in the bases, as `with_zerodp` puts it."""
 
     def __init__(self, *args, zerodp_config: Union[Config, dict, None] = None, zerodp_async_save: bool = False,
                  **kwargs):
@@ -295,7 +299,9 @@ class Trainer(transformers.Trainer):
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         if not isinstance(self.optimizer, ZeroOptimizer):  # before training: a plain model
             return super().save_model(output_dir, _internal_call)
-        state = full_state_dict(self.model, self.optimizer, rank0_only=True)  # every rank gathers
+        # Every rank gathers; a PEFT model writes its adapters only, so its frozen base is not gathered.
+        state = full_state_dict(self.model, self.optimizer, rank0_only=True,
+                                frozen_values=not hasattr(self.model, "peft_config"))
         self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -348,3 +354,19 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         self._saves_in_place()  # the best checkpoint may be the one rank 0 is still renaming
         load(os.path.join(self.state.best_model_checkpoint, CHECKPOINT_DIR), self.model, self.optimizer)
+
+
+def with_zerodp(trainer_class: type) -> type:
+    """`trainer_class` (a transformers.Trainer subclass: TRL's SFTTrainer, DPOTrainer, ...)
+    training with zerodp: a subclass that takes `zerodp_config` and `zerodp_async_save`."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"with_zerodp takes a transformers.Trainer subclass, got {trainer_class!r}")
+    if issubclass(trainer_class, ZeroTrainerMixin):
+        return trainer_class
+    return type(f"Zero{trainer_class.__name__}", (ZeroTrainerMixin, trainer_class),
+                {"__module__": trainer_class.__module__, "__doc__": f"{trainer_class.__name__} training with zerodp."})
+
+
+Trainer = with_zerodp(transformers.Trainer)
+Trainer.__name__ = Trainer.__qualname__ = "Trainer"
+Trainer.__module__ = __name__

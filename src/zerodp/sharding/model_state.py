@@ -113,11 +113,11 @@ def _aliases(module: nn.Module, ours: set) -> dict[int, list[str]]:
     return out
 
 
-def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint") -> list[torch.Tensor]:
-    """Every parameter of the unit (`unit.all_params()`: trainable, then frozen), whole, on
-    every rank (one all-gather per part)."""
+def full_unit_tensors(unit: FlatUnit, phase: str = "checkpoint", parts: Optional[list] = None) -> list[torch.Tensor]:
+    """Every parameter of the unit's `parts` (all of them by default: `unit.all_params()`,
+    trainable then frozen), whole, on every rank (one all-gather per part)."""
     out = []
-    for part in unit.parts():
+    for part in unit.parts() if parts is None else parts:
         wanted = {i: (0, slot.numel) for i, slot in enumerate(part.layout.slots)}
         runs = gather_runs(part.layout, part.gather_source(), part.collectives, wanted, phase, label=unit.label)
         part.release_staged()
