@@ -143,6 +143,7 @@ class Stage3Engine(BackwardSchedule):
         # calls run without gradients inside a training forward (reentrant checkpointing),
         # whose recomputation in backward is watched instead.
         self._inputs_pending = [0] * len(self.units)
+        self._watched = [False] * len(self.units)  # a call's inputs needed gradients: their end is seen
         self._deferred = [0] * len(self.units)
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
@@ -300,7 +301,10 @@ class Stage3Engine(BackwardSchedule):
 
     def _maybe_done(self, ui: int) -> None:
         """The unit's backward is over once its trainable parameters' gradients are in and,
-        with frozen parameters, its inputs' gradients too."""
+        with frozen parameters, its inputs' gradients too; a unit with frozen parameters whose
+        inputs need no gradient (the root, taking token ids) stays gathered until backward ends."""
+        if self.units[ui].frozen and not self._watched[ui]:
+            return
         if self._pending[ui] == 0 and self._inputs_pending[ui] <= 0:
             if self.units[ui].training_state is TrainingState.POST_BACKWARD:
                 return
@@ -331,6 +335,7 @@ class Stage3Engine(BackwardSchedule):
             if not where:
                 return None
             self._inputs_pending[ui] += 1
+            self._watched[ui] = True
             outs = _BackwardDone.apply(done, *[args[i] if kind == "a" else kwargs[i] for kind, i in where])
             args, kwargs = list(args), dict(kwargs)
             for (kind, i), t in zip(where, outs):
