@@ -179,7 +179,10 @@ def ledger(rank: int, world_size: int) -> dict:
     trainable_total = sum(v for (u, kind), v in counts.items() if kind == "trainable")
     return {"frozen": report.frozen_params, "census": sum(storages.values()),
             "frozen_by_hand": 2 * sum(math.ceil(v / n) for (u, kind), v in counts.items() if kind == "frozen"),
-            "trainable_by_hand": 16 * sum(math.ceil(v / n) for (u, kind), v in counts.items() if kind == "trainable"),
+            # + 2: the one-element bf16 handle every trainable `.grad` shows between backward and
+            # the step (schedule/presence.py: the gradients live in the units' shards).
+            "trainable_by_hand": 16 * sum(math.ceil(v / n) for (u, kind), v in counts.items()
+                                          if kind == "trainable") + 2,
             "trainable_state": report.params + report.grads + report.master + report.optimizer_states,
             "model_state": report.model_state, "frozen_total": frozen_total, "trainable_total": trainable_total,
             "units": len(opt.stage3.units)}

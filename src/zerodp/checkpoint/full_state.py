@@ -15,7 +15,7 @@ import os
 import torch
 from torch import nn
 
-from ..sharding.model_state import full_unit_tensors
+from ..sharding.model_state import full_unit_tensors, serving_whole
 from .format import PathLike, describe_error, plain_module, raise_if_failed, refuse_tensor_parallel
 
 __all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
@@ -76,15 +76,24 @@ def install_save_pretrained(model: nn.Module, optimizer) -> None:
         return
     adapters_only = hasattr(plain, "peft_config")
 
+    def write(save_directory, args, state: dict, kwargs) -> None:
+        # What it may still ask of a submodule's state_dict() (peft does, of a modules_to_save
+        # copy), on this rank alone, comes from the whole values it was given.
+        by_id = {id(t): state[k] for k, t in plain.state_dict(keep_vars=True).items() if k in state}
+        with serving_whole(plain, by_id):
+            original(save_directory, *args, is_main_process=True, state_dict=state, **kwargs)
+
     @functools.wraps(original)
     def save_pretrained(save_directory, *args, is_main_process: bool = True, state_dict=None, **kwargs):
         if state_dict is not None:
-            return original(save_directory, *args, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+            if not is_main_process:
+                return original(save_directory, *args, is_main_process=False, state_dict=state_dict, **kwargs)
+            return write(save_directory, args, state_dict, kwargs)
         state = _full_state(plain, optimizer, bool(is_main_process), True, frozen_values=not adapters_only)
         status = {"ok": True}
         if is_main_process:
             try:
-                original(save_directory, *args, is_main_process=True, state_dict=state, **kwargs)
+                write(save_directory, args, state, kwargs)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 status = {"ok": False, "error": describe_error(e)}
         raise_if_failed(optimizer.comm.all_gather_object(status, "checkpoint"),

@@ -30,6 +30,8 @@ sharded (DTensor) state dict is gathered whole first.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -41,7 +43,24 @@ from ..distributed.agreement import raise_if_any_failed
 from .flat_unit import FlatUnit, UnitState
 from .rows import RowSharding, gather_runs
 
-__all__ = ["LoadedValues", "install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors"]
+__all__ = ["LoadedValues", "install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors",
+           "serving_whole"]
+
+# Model -> {id(parameter): its whole value}, while `serving_whole` holds: the state dicts of
+# the model and its submodules are then those values, with no collective.
+_SERVED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def serving_whole(model: nn.Module, values: dict):
+    """Within the block, `state_dict()` of the stage-3 `model` or of any submodule returns
+    `values` (whole tensors gathered once, by id(parameter)) on this rank alone: for code
+    that calls it on one rank only, such as a PEFT model's save_pretrained on the main process."""
+    _SERVED[model] = values
+    try:
+        yield
+    finally:
+        _SERVED.pop(model, None)
 
 
 @dataclass(frozen=True)
@@ -160,7 +179,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         if not saving.enter(module, prefix):
             return
         saving.keep_vars = keep_vars
-        if not keep_vars:  # the collective form, called by every rank
+        if not keep_vars and model not in _SERVED:  # the collective form, called by every rank
             rows.refuse_tensor_parallel("the stage-3 model's state_dict()")
             settle()
 
@@ -168,6 +187,13 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         if not saving.leave(module, prefix) or saving.keep_vars:
             return
         aliases = _aliases(module, ours)
+        served = _SERVED.get(model)
+        if served is not None:
+            for pid, names in aliases.items():
+                for key in (prefix + n for n in names):
+                    if key in state_dict:
+                        state_dict[key] = served[pid]
+            return
         for unit in units:
             # A gathered unit (inside gathered_parameters) holds its parameters whole, in
             # place: torch's own state dict took the full values.
