@@ -290,7 +290,7 @@ def _sft(out: str, config, resume=None, max_steps: int = STEPS, save: bool = Fal
                      optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=10.0,
                      logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, report_to=[],
                      disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, dataloader_num_workers=0,
-                     packing=False)
+                     packing=False, bf16=False)  # SFTConfig's default bf16=True: autocast under DDP, bf16 weights here
     kwargs = dict(model=base_model(), args=args, train_dataset=data, processing_class=_tokenizer(),
                   peft_config=lora_config())
     transformers.set_seed(1)

@@ -1,7 +1,6 @@
 """PEFT/LoRA fine-tunes with zerodp (cases: finetune_cases.py): every stage against one
 process on the global batch, the frozen base sharded at stage 3 and measured, the natural
 save calls, and TRL's SFTTrainer against SFTTrainer under DDP."""
-import math
 
 import pytest
 
@@ -107,9 +106,14 @@ def test_frozen_base_checkpoint_round_trips(pool, tmp_path):
 def test_sft_trainer_with_zerodp_equals_sft_trainer_under_ddp(pool, tmp_path):
     r = pool.run(2, cases.sft_world, str(tmp_path), timeout_s=600)[0]
     assert list(r["zerodp"]) == list(r["ddp"]) == list(range(1, STEPS + 1)), r
-    for step, loss in r["ddp"].items():
-        # The logged loss (mean over the window and ranks) at lr 0.5, SGD: the fp32 bound
-        # with lr 0.5 and this batch: 16 x STEPS x 0.5 x N_MAX x U32 x GRAD_BOUND per element,
-        # through <= TRAINABLE_MAX elements: 4 x 20k x 5.7e-6 ... bounded by 1e-3 relative.
-        assert math.isclose(r["zerodp"][step], loss, rel_tol=1e-3), (step, r)
-    assert r["resumed"][STEPS] == pytest.approx(r["zerodp"][STEPS], rel=1e-3), r
+    # Step 1: the same weights and batch, so the same loss exactly. Later steps: the runs
+    # differ by the order the N gradients are summed; SGD at lr 0.5 (no momentum), to first
+    # order sum_i g_i dp_i over <= TRAINABLE_MAX elements with |dp_i| <= 2 x (SGD_TOL scaled
+    # to lr 0.5): 20k x 2 x 5.7e-6 = 0.23. Weak (N = 2 sums are order-free, so the runs are
+    # expected bitwise equal); the parity grid above is the strict check of the engine.
+    assert r["zerodp"][1] == r["ddp"][1], r
+    bound = TRAINABLE_MAX * 2 * SGD_TOL * 0.5 / SGD_LR
+    assert all(abs(r["zerodp"][s] - r["ddp"][s]) <= bound for s in r["ddp"]), r
+    # Resumed from checkpoint-2 (the frozen base and adapters, zerodp's sharded checkpoint),
+    # step 3 is the uninterrupted run's exactly: the same world, stage and batch.
+    assert r["resumed"][STEPS] == r["zerodp"][STEPS], r

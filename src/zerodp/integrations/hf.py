@@ -221,6 +221,9 @@ class ZeroTrainerMixin:
                              "which zerodp wraps. Pass optimizers=(optimizer, None) and let the Trainer build the "
                              "schedule (lr_scheduler_type), or override create_scheduler")
         plain = super().create_optimizer(model)
+        # The Trainer's no-decay group is empty when only weights train (LoRA adapters):
+        # zerodp refuses an empty group, which elsewhere means a mistake.
+        plain.param_groups = [g for g in plain.param_groups if g["params"]]
         config = dataclasses.replace(self.zerodp_config,
                                      grad_accumulation_steps=self.args.gradient_accumulation_steps)
         self.model, self.optimizer = initialize(self.model, lambda params: plain, config)
