@@ -309,3 +309,22 @@ def sft_world(rank: int, world_size: int, root: str) -> dict:
     out["resumed"] = _sft(os.path.join(root, "z3-saved"), zerodp.Config(stage=3),
                           resume=os.path.join(root, "z3-saved", "checkpoint-2"))
     return out
+
+
+def merged(rank: int, world_size: int, root: str) -> dict:
+    """The adapters merged into the base one unit at a time (zerodp.integrations.peft)
+    against peft's merge_and_unload of the reference, and saved for from_pretrained."""
+    from zerodp.integrations.peft import merged_state_dict, save_merged
+    model, opt = _trained(world_size, rank)
+    got = merged_state_dict(model, opt)
+    out = os.path.join(root, "merged")
+    save_merged(model, out, opt)
+    if rank != 0:
+        return {"empty": got == {}}
+    ref = lora_model()
+    ref.load_state_dict(_reference(world_size, rank, "sgd", "plain")["state"])
+    want = ref.merge_and_unload().state_dict()
+    loaded = LlamaForCausalLM.from_pretrained(out).state_dict()
+    return {"keys": sorted(got) == sorted(want), "loaded_keys": sorted(loaded) == sorted(want),
+            "values": max(float(((got[k] - want[k]).abs() / (1 + want[k].abs())).max()) for k in want),
+            "loaded_equal": all(torch.equal(loaded[k], got[k]) for k in want)}

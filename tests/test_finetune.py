@@ -117,3 +117,13 @@ def test_sft_trainer_with_zerodp_equals_sft_trainer_under_ddp(pool, tmp_path):
     # Resumed from checkpoint-2 (the frozen base and adapters, zerodp's sharded checkpoint),
     # step 3 is the uninterrupted run's exactly: the same world, stage and batch.
     assert r["resumed"][STEPS] == r["zerodp"][STEPS], r
+
+
+def test_adapters_merge_one_unit_at_a_time(pool, tmp_path):
+    results = pool.run(2, cases.merged, str(tmp_path))
+    r = results[0]
+    assert r["keys"] and r["loaded_keys"] and r["loaded_equal"], r
+    # The merged weight is W + B A scaling of the trained adapters: their bound, times the
+    # product's gain |B| |A| r scaling <= 4 x 2 on these tiny matrices: 8 SGD_TOL.
+    assert r["values"] <= 8 * SGD_TOL, r
+    assert results[1]["empty"], results[1]  # rank0_only: the other ranks hold nothing

@@ -1,0 +1,101 @@
+"""PEFT (LoRA) models trained with zerodp: the merged model, one unit gathered at a time.
+
+`peft`'s `merge_and_unload()` rewrites the model's modules in place and reads every weight
+whole; under stage 3 that would gather the whole base at once (trl #5766 met it as an OOM).
+`merged_state_dict` instead gathers each stage-3 unit in turn (`gathered_parameters`),
+adds each LoRA layer's delta (peft's own `get_delta_weight`: B·A·scaling, fan_in_fan_out
+respected) to its base weight, and keeps the result on the CPU under the base model's own
+names, as `merge_and_unload().state_dict()` names them. The training model is not changed.
+`save_merged` writes that with the base model's `save_pretrained`, loadable by
+`from_pretrained` into the plain architecture.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..checkpoint.format import PathLike, describe_error, plain_module, raise_if_failed
+from ..schedule.stage3 import gathered_parameters
+
+__all__ = ["merged_state_dict", "save_merged"]
+
+
+def _merged_name(key: str, adapter: str) -> Optional[str]:
+    """A PEFT base model's state-dict key as merge_and_unload names it; None for what the
+    merge drops (the adapters themselves, the original of a modules_to_save copy)."""
+    parts = key.split(".")
+    if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
+        return None
+    out, i = [], 0
+    while i < len(parts):
+        if parts[i] == "base_layer":
+            i += 1
+        elif parts[i] == "modules_to_save" and i + 1 < len(parts) and parts[i + 1] == adapter:
+            i += 2
+        else:
+            out.append(parts[i])
+            i += 1
+    return ".".join(out)
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, optimizer, *, adapter: str = "default", rank0_only: bool = True) -> dict:
+    """The base model's full state dict with LoRA adapter `adapter` merged in, gathering one
+    stage-3 unit at a time (at stages 0-2 the parameters are whole already). Collective:
+    every rank calls it; with `rank0_only` the other ranks get {}."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = plain_module(model)
+    if not hasattr(peft_model, "get_base_model"):
+        raise TypeError(f"{type(peft_model).__name__} is not a PEFT model (no get_base_model): there is nothing to merge")
+    base = peft_model.get_base_model()
+    optimizer.settle()  # a delayed update reaches the parameters first
+    keep = not rank0_only or optimizer.comm.rank == 0
+    lora = {id(m.base_layer.weight): m for m in base.modules()
+            if isinstance(m, LoraLayer) and adapter in m.lora_A and hasattr(m.base_layer, "weight")}
+    entries = list(base.state_dict(keep_vars=True).items())
+    units = ([u.all_params() for u in optimizer.stage3.units] if optimizer.stage3 is not None
+             else [list(base.parameters())])
+    out: dict = {}
+    for params in units:
+        ids = {id(p) for p in params}
+        with gathered_parameters(params):
+            if not keep:
+                continue
+            for key, t in entries:
+                name = _merged_name(key, adapter)
+                if id(t) not in ids or name is None:
+                    continue
+                value = t.detach()
+                layer = lora.get(id(t))
+                if layer is not None:
+                    if any(id(p) not in ids for p in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)):
+                        raise ValueError(f"{key}: its LoRA adapters lie in another stage-3 unit; set "
+                                         f"Config.unit_modules so that a LoRA layer and its base stay in one unit")
+                    value = value + layer.get_delta_weight(adapter).to(value.dtype)
+                out[name] = value.to("cpu", copy=True)
+    if keep:
+        params = {id(p) for p in base.parameters()}
+        for key, t in entries:  # buffers, whole at every stage
+            name = _merged_name(key, adapter)
+            if id(t) not in params and name is not None:
+                out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def save_merged(model: nn.Module, save_directory: PathLike, optimizer, *, adapter: str = "default",
+                **kwargs) -> None:
+    """Write the merged model (`merged_state_dict`) with the base model's `save_pretrained`
+    (rank 0 writes; every rank calls it; a failure is raised on every rank)."""
+    state = merged_state_dict(model, optimizer, adapter=adapter, rank0_only=True)
+    status = {"ok": True}
+    if optimizer.comm.rank == 0:
+        try:
+            base = plain_module(model).get_base_model()
+            type(base).save_pretrained(base, os.fspath(save_directory), state_dict=state, **kwargs)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            status = {"ok": False, "error": describe_error(e)}
+    raise_if_failed(optimizer.comm.all_gather_object(status, "checkpoint"), f"save_merged to {save_directory}")
