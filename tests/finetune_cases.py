@@ -328,3 +328,28 @@ def merged(rank: int, world_size: int, root: str) -> dict:
     return {"keys": sorted(got) == sorted(want), "loaded_keys": sorted(loaded) == sorted(want),
             "values": max(float(((got[k] - want[k]).abs() / (1 + want[k].abs())).max()) for k in want),
             "loaded_equal": all(torch.equal(loaded[k], got[k]) for k in want)}
+
+
+def born_sharded_frozen(rank: int, world_size: int) -> dict:
+    """Built under zerodp.init with its embedding and first block frozen: each unit
+    (frozen parts included) is materialised and sharded in turn, never the whole model (its
+    initial values are the modules' reset_parameters, not HF's _init_weights: a pretrained
+    base is loaded next); load_pretrained then fills the frozen parameters, each rank reading
+    only its runs."""
+    def build():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(base_model().config)
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].requires_grad_(False)
+        return model
+    cfg = zerodp.Config(stage=3)
+    with zerodp.init(cfg):
+        meta = build()
+    on_meta = all(p.is_meta for p in meta.parameters())
+    model, opt = zerodp.initialize(meta, torch.optim.SGD, cfg, lr=0.1)
+    transformers.set_seed(7)
+    other = LlamaForCausalLM(base_model().config).state_dict()
+    zerodp.load_pretrained(model, other, opt)
+    after = zerodp.full_state_dict(model, opt)
+    return {"on_meta": on_meta, "frozen_sharded": opt.memory_report().frozen_params > 0,
+            "loaded": all(torch.equal(after[k], other[k]) for k in other)}

@@ -127,3 +127,8 @@ def test_adapters_merge_one_unit_at_a_time(pool, tmp_path):
     # product's gain |B| |A| r scaling <= 4 x 2 on these tiny matrices: 8 SGD_TOL.
     assert r["values"] <= 8 * SGD_TOL, r
     assert results[1]["empty"], results[1]  # rank0_only: the other ranks hold nothing
+
+
+def test_a_frozen_base_born_sharded_and_loaded_by_pieces(pool):
+    for r in pool.run(2, cases.born_sharded_frozen):
+        assert r["on_meta"] and r["frozen_sharded"] and r["loaded"], r
