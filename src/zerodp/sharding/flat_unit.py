@@ -29,7 +29,7 @@ from ..memory import hostmem
 from ..memory.layout import FlatLayout, Piece
 from ..memory.pool import BufferPool
 from ..memory.placement import Placement
-from .frozen import ONE_SEGMENT, FrozenPart, fingerprint, frozen_dtype
+from .frozen import ONE_SEGMENT, FrozenPart, StagedShard, fingerprint, frozen_dtype
 
 __all__ = ["ONE_SEGMENT", "FlatUnit", "SecondaryPartition", "TrainingState", "UnitGroupView", "UnitState"]
 
@@ -58,7 +58,7 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"  # every gradient is in: freed, its reduction may launch
 
 
-class FlatUnit:
+class FlatUnit(StagedShard):
     """One unit's sharded parameters, its gather buffer and its gradient shard."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str], comm: Comm,
@@ -169,21 +169,6 @@ class FlatUnit:
         (asynchronous), so that its gather's copy finds it in memory."""
         if self.state is UnitState.SHARDED and self.placement.offloaded:
             self.placement.prefetch([self.shard, *(part.shard for part in self.frozen)])
-
-    def gather_source(self) -> torch.Tensor:
-        """The shard as a collective's input: itself on the device; an offloaded one copied
-        into a pooled device buffer first (given back by `release_staged`)."""
-        if not self.placement.offloaded:
-            return self.shard
-        if self._staged is None:
-            self._staged = self.pool.get(self.shard.numel(), self.shard.dtype, self.device)
-            self.placement.stage_in(self.shard, self._staged)
-        return self._staged
-
-    def release_staged(self) -> None:
-        if self._staged is not None:
-            self.pool.put(self._staged)
-            self._staged = None
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:

@@ -26,7 +26,7 @@ from ..memory.layout import FlatLayout
 from ..memory.placement import Placement
 from ..memory.pool import BufferPool
 
-__all__ = ["ONE_SEGMENT", "FrozenPart", "FrozenSlice", "fingerprint", "frozen_dtype", "frozen_slices"]
+__all__ = ["ONE_SEGMENT", "FrozenPart", "StagedShard", "FrozenSlice", "fingerprint", "frozen_dtype", "frozen_slices"]
 
 # A unit's storage is one segment: gathered (and reduced) with one collective each.
 ONE_SEGMENT = 1 << 62
@@ -48,7 +48,27 @@ def frozen_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype
     return compute_dtype if param.dtype == torch.float32 else param.dtype
 
 
-class FrozenPart:
+class StagedShard:
+    """A shard that a gather reads: where it is offloaded ([Note: placement]), a copy staged
+    in a pooled device buffer. Needs `shard`, `placement`, `pool`, `device` and `_staged`."""
+
+    def gather_source(self) -> torch.Tensor:
+        """The shard as a collective's input: itself on the device; an offloaded one copied
+        into a pooled device buffer first (given back by `release_staged`)."""
+        if not self.placement.offloaded:
+            return self.shard
+        if self._staged is None:
+            self._staged = self.pool.get(self.shard.numel(), self.shard.dtype, self.device)
+            self.placement.stage_in(self.shard, self._staged)
+        return self._staged
+
+    def release_staged(self) -> None:
+        if self._staged is not None:
+            self.pool.put(self._staged)
+            self._staged = None
+
+
+class FrozenPart(StagedShard):
     """A unit's frozen parameters of one dtype: sharded, gathered with the unit, never
     reduced nor stepped ([Note: frozen parameters]). It offers the attributes a state dict
     reads of a unit's storage: layout, shard, params, names, rank, collectives, gather_source."""
@@ -79,19 +99,6 @@ class FrozenPart:
         for i, p in enumerate(self.params):
             pieces = self.layout.slot_pieces(i, self.rank)
             p.data = self.shard[pieces[0][1]: pieces[0][1] + pieces[0][2]] if pieces else self.shard[:0]
-
-    def gather_source(self) -> torch.Tensor:
-        if not self.placement.offloaded:
-            return self.shard
-        if self._staged is None:
-            self._staged = self.pool.get(self.shard.numel(), self.shard.dtype, self.device)
-            self.placement.stage_in(self.shard, self._staged)
-        return self._staged
-
-    def release_staged(self) -> None:
-        if self._staged is not None:
-            self.pool.put(self._staged)
-            self._staged = None
 
     def unshard(self, phase: str, async_op: bool) -> None:
         self.full = self.pool.get(self.layout.padded_numel, self.dtype, self.device)
