@@ -4,6 +4,7 @@ optimizer steps; nothing here installs a hook or knows the optimizer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch.nn as nn
 
@@ -46,9 +47,10 @@ class ShardedUnits:
 
 
 def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, stage: int,
-                   precision: PrecisionPolicy, bucket_bytes: int) -> FlatGroups:
+                   precision: PrecisionPolicy, bucket_bytes: int, whole: Sequence[bool] = ()) -> FlatGroups:
     """Replicate the model from rank 0, cast what stays replicated, and lay out each param
-    group's parameters in one flat buffer."""
+    group's parameters in one flat buffer; those flagged in `whole` (per entry of `named`)
+    each inside one rank's chunk ([Note: whole-parameter alignment] in memory/layout.py)."""
     trainable = {id(p) for _, p in named}
     replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
     apply_compute_dtype(model, precision.compute_dtype, skip=trainable, cast_buffers=precision.cast_buffers)
@@ -59,7 +61,8 @@ def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]]
     for idx in group_indices:
         idx = sorted(idx, reverse=True)
         groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm, stage,
-                                     precision.compute_dtype, precision.reduce_dtype, bucket_bytes))
+                                     precision.compute_dtype, precision.reduce_dtype, bucket_bytes,
+                                     [whole[i] for i in idx] if whole else ()))
     return FlatGroups(groups, backward_order)
 
 
@@ -71,23 +74,27 @@ class _UnitBuild:
     precision: PrecisionPolicy
     zeropp: ZeroPPPolicy
     placement: Placement
+    whole: list  # per trainable parameter: stepped whole ([Note: whole-parameter alignment])
 
 
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, units_policy: UnitPolicy,
-                precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy) -> ShardedUnits:
+                precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy,
+                whole: Sequence[bool] = ()) -> ShardedUnits:
     """Split `model` into units and shard each unit's trainable parameters. A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
-    directory opened here is closed again if anything fails."""
+    directory opened here is closed again if anything fails. `whole`: as for `flatten_groups`."""
+    whole = list(whole) if whole else [False] * len(named)
     units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params)
     assignment = assign_params(model, units, named)
     # A unit with no trainable parameter is not built, except the root, whose hooks begin
     # and end every pass (it may own none: `unit_modules=(nn.Linear,)` leaves it nothing).
     to_build = [ui for ui, idx in enumerate(assignment) if idx or ui == len(units) - 1]
     placement = shard_placement(offload, precision, comm,
-                                [[named[i][1].shape for i in assignment[ui]] for ui in to_build])
+                                [[named[i][1].shape for i in assignment[ui]] for ui in to_build],
+                            [[whole[i] for i in assignment[ui]] for ui in to_build])
     try:
-        return _shard_units(model, named, group_indices, _UnitBuild(comm, precision, zeropp, placement), units,
+        return _shard_units(model, named, group_indices, _UnitBuild(comm, precision, zeropp, placement, whole), units,
                             assignment, to_build)
     except BaseException:
         placement.close()  # the directory can be used again at once
@@ -114,7 +121,7 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
                              comm, precision.compute_dtype, precision.reduce_dtype, pool,
                              sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
-                             placement=placement)
+                             placement=placement, whole=[build_with.whole[i] for i in idx])
         if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
             hostmem.release_free_heap()
 
@@ -156,7 +163,8 @@ def _shard_units(model: nn.Module, named: list, group_indices: list[list[int]], 
                         secondary_pool, placement)
 
 
-def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_shapes: list) -> Placement:
+def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_shapes: list,
+                    unit_whole: list = ()) -> Placement:
     """Where the units' shards live (Config.offload_params; [Note: placement] in
     memory/placement.py). On disk, the parameter and gradient shard of every unit to be
     built (`unit_shapes`: the shapes of each one's parameters) is reserved now, so that a
@@ -165,7 +173,8 @@ def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Co
         return open_placement(offload.params, comm)
     # The layout each unit is built with: a unit with no parameter still keeps a shard of
     # one element per rank (its layout is padded to the shard size), as FlatUnit lays it out.
-    numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT).shard_numel for shapes in unit_shapes]
+    unit_whole = unit_whole or [()] * len(unit_shapes)
+    numels = [FlatLayout(shapes, comm.shard_size, ONE_SEGMENT, w).shard_numel for shapes, w in zip(unit_shapes, unit_whole)]
     reserve = [(purpose, Arena.nbytes_for([(n, dtype) for n in numels]))
                for purpose, dtype in (("params", precision.compute_dtype), ("grads", precision.reduce_dtype))]
     return open_placement("disk", comm, offload.directory, reserve=reserve,
