@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import zerodp
 from zerodp.memory import formula_bytes
-from zerodp.optim.multi import split_hidden_matrices
+from zerodp import split_hidden_matrices
 
 STEPS = 4
 MUON_LR, ADAMW_LR = 0.02, 1e-2
