@@ -28,9 +28,11 @@ owner: no extra collective, at the cost of padding (`alignment_padding`, which t
 padded Ψ includes) and of ranks owning unequal numbers of real elements (`owned_numel`). A
 segment whose padding exceeds `MAX_ALIGNMENT_PADDING` of it takes in the following
 parameters (up to `MAX_SEGMENT_GROWTH` buckets) before it is closed, since more parameters
-pack tighter. Chosen over DeepSpeed's all-reduce of straddling matrices (extra traffic at
-stages 1-2) and over gather-to-owner (an extra collective per step): see docs/optimizers.md.
-A layout without whole parameters is exactly the plain one above.
+pack tighter (GPT-2 124M's hidden matrices at N=2 or 4: no padding at all). A stage-3 unit is
+one segment and cannot widen: its padding is what its own matrices leave (a GPT-2 block at
+N=2: 16%, bytes the ledgers count). Chosen over DeepSpeed's all-reduce of straddling
+matrices (extra traffic at stages 1-2) and over gather-to-owner (an extra collective per
+step): see docs/optimizers.md. A layout without whole parameters is exactly the plain one.
 """
 from __future__ import annotations
 
@@ -77,8 +79,9 @@ class Piece:
     numel: int
 
 
-# [Note: whole-parameter alignment]: Megatron caps a bucket's padding near 10% the same way.
-MAX_ALIGNMENT_PADDING = 0.10
+# [Note: whole-parameter alignment]. Megatron accepts up to ~10% per bucket; widening a segment
+# is free here (its collective just moves more at once), so zerodp asks for 1%.
+MAX_ALIGNMENT_PADDING = 0.01
 MAX_SEGMENT_GROWTH = 4
 
 
@@ -204,22 +207,35 @@ def _pack(numels: list[int], whole: tuple, members: range, n: int) -> tuple[int,
     """One segment of `members`: its size (N chunks of c elements) and each member's offset in
     it. Elementwise members first, end to end (cut by chunk boundaries as in the plain
     layout); then each whole member, largest first, into the chunk with the most room left,
-    after what that chunk already holds; c grows by ~1.6% until every whole member fits."""
+    after what that chunk already holds. c starts at its lower bound (an even split, and the
+    largest whole member) and grows by ~1.6% until every whole member fits, then bisects
+    back to the smallest c found to fit."""
     flat = [k for k in members if not whole[k]]
     boxed = sorted((k for k in members if whole[k]), key=lambda k: (-numels[k], k))
     e = sum(numels[k] for k in flat)
-    c = max(1, -(-(e + sum(numels[k] for k in boxed)) // n), max((numels[k] for k in boxed), default=0))
-    while True:
+
+    def place(c: int):
         used = [min(c, max(0, e - r * c)) for r in range(n)]  # what the elementwise run fills of each chunk
         placed: dict[int, int] = {}
         for k in boxed:
             r = min(range(n), key=lambda q: (used[q], q))  # the most room left; ties to the lower rank
             if used[r] + numels[k] > c:
-                break
+                return None
             placed[k] = r * c + used[r]
             used[r] += numels[k]
-        if len(placed) == len(boxed):
-            break
-        c += max(1, c // 64)
+        return placed
+
+    lowest = max(1, -(-(e + sum(numels[k] for k in boxed)) // n), max((numels[k] for k in boxed), default=0))
+    c, fits, short = lowest, place(lowest), lowest - 1
+    while fits is None:
+        short, c = c, c + max(1, c // 64)
+        fits = place(c)
+    while c - short > 1:
+        mid = (short + c) // 2
+        found = place(mid)
+        if found is None:
+            short = mid
+        else:
+            c, fits = mid, found
     offsets = dict(zip(flat, itertools.accumulate([0] + [numels[k] for k in flat[:-1]])))
-    return n * c, {**offsets, **placed}
+    return n * c, {**offsets, **fits}
