@@ -270,3 +270,18 @@ def torch_resume_case(rank, world_size, root):
         muon.zero_grad()
     return {"params": {n: p.detach().clone() for n, p in plain.named_parameters()},
             "momentum_shapes": momentum_shapes}
+
+
+def tensor_parallel_case(rank, world_size):
+    """DP x TP = 2 x 2: Muon over matrices that tensor parallelism splits is refused by name."""
+    from zerodp.demo.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32))
+    hidden, rest = split_hidden_matrices(model)
+    try:
+        zerodp.initialize(model, [torch.optim.Muon(hidden, lr=MUON_LR), torch.optim.AdamW(rest, lr=ADAMW_LR)],
+                          zerodp.Config(stage=1, tensor_parallel_size=2))
+    except ValueError as e:
+        return str(e)
+    return None

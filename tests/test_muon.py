@@ -150,3 +150,76 @@ def test_checkpoint_reshards_and_loads_into_torch_muon(pool, tmp_path):
         assert float((one[name] - value).abs().max()) <= EXACT, name
         assert float((plain["params"][name] - value).abs().max()) <= EXACT, name
         assert float((four[name] - value).abs().max()) <= MUON_TOL, name
+
+
+def test_tensor_parallel_split_matrices_refused(pool):
+    for message in pool.run(4, cases.tensor_parallel_case):
+        assert message and "Muon needs whole parameters" in message and "tensor_parallel_size=1" in message, message
+
+
+# -- pure logic: the aligned layout and the optimizer list (no world) ------------------------
+def test_aligned_layout_puts_each_whole_parameter_in_one_chunk():
+    import random
+
+    from zerodp.memory.layout import FlatLayout
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.choice([1, 2, 3, 4, 8])
+        shapes = [(rng.randint(1, 40), rng.randint(1, 40)) if rng.random() < 0.6 else (rng.randint(0, 50),)
+                  for _ in range(rng.randint(1, 12))]
+        whole = [len(s) == 2 and rng.random() < 0.8 for s in shapes]
+        lay = FlatLayout(shapes, n, rng.choice([16, 64, 1 << 62]), whole)
+        taken = set()
+        for i, (slot, w) in enumerate(zip(lay.slots, lay.whole)):
+            span = set(range(slot.offset, slot.offset + slot.numel))
+            assert not span & taken, "parameters overlap"
+            taken |= span
+            assert slot.offset + slot.numel <= lay.padded_numel
+            owners = [r for r in range(n) if lay.slot_pieces(i, r)]
+            if w:  # one owner, holding it whole
+                assert len(owners) == 1 and lay.slot_pieces(i, owners[0])[0][2] == slot.numel, (shapes, i)
+        assert all(s.numel % n == 0 for s in lay.segments)  # equal chunks: the collectives stay the same
+        assert sum(lay.owned_numel(r) for r in range(n)) == lay.numel
+        assert lay.padded_numel - lay.numel == lay.alignment_padding + (lay.unaligned_padded_numel - lay.numel)
+
+
+def test_layout_without_whole_parameters_is_the_plain_one():
+    from zerodp.memory.layout import FlatLayout
+
+    shapes = [(13, 7), (13,), (9, 13), (9,)]
+    plain, flagged = FlatLayout(shapes, 4, 64), FlatLayout(shapes, 4, 64, [False] * 4)
+    assert plain.slots == flagged.slots and plain.segments == flagged.segments
+    assert [s.offset for s in plain.slots] == [0, 91, 104, 221] and plain.alignment_padding == 0
+
+
+def test_optimizer_list_refusals():
+    import torch
+
+    import zerodp
+
+    a, b = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="items 0 and 1: each parameter belongs to one optimizer"):
+        zerodp.OptimizerList([torch.optim.Muon([a]), torch.optim.SGD([a, b], lr=0.1)])
+    stepped = torch.optim.SGD([b], lr=0.1, momentum=0.9)
+    b.grad = torch.ones(2)
+    stepped.step()
+    with pytest.raises(ValueError, match="item 0 \\(SGD\\) has already stepped"):
+        zerodp.OptimizerList([stepped])
+    with pytest.raises(TypeError, match="item 1 is str"):
+        zerodp.OptimizerList([torch.optim.Muon([a]), "adamw"])
+    with pytest.raises(ValueError, match="keyword arguments \\['lr'\\] are only for one optimizer class"):
+        zerodp.initialize(torch.nn.Linear(2, 2), [torch.optim.SGD], lr=0.1)
+
+
+def test_declaration():
+    import torch
+
+    from zerodp.optim.inner import needs_whole_params
+
+    class Elementwise(torch.optim.Muon):
+        zerodp_whole_params = False
+
+    assert needs_whole_params(torch.optim.Muon) and needs_whole_params(torch.optim.Adafactor([torch.zeros(2, 2)]))
+    assert not needs_whole_params(torch.optim.AdamW) and not needs_whole_params(Elementwise)
+    assert needs_whole_params(cases.WholeSGD)
