@@ -64,8 +64,12 @@ def test_optimizers_accepted_by_behaviour(world):
     probe = results[0]["probe"]
     for name in ("SGD", "AdamW", "Adagrad", "RMSprop", "NAdam"):
         assert probe[name] is None, (name, probe[name])
-    for name in ("LBFGS", "Adafactor", "Muon"):
-        assert probe[name] and f"{name} is not elementwise" in probe[name], (name, probe[name])
+    # Declared to need whole parameters (optim/inner.py: [Note: whole-parameter optimizers]):
+    # accepted, each parameter stepped whole on one rank (tests/test_muon.py).
+    for name in ("Adafactor", "Muon"):
+        assert probe[name] is None, (name, probe[name])
+    assert probe["LBFGS"] and "LBFGS is not elementwise" in probe["LBFGS"], probe["LBFGS"]
+    assert "zerodp_whole_params = True" in probe["LBFGS"]
 
 
 def test_reductions_follow_backward_order_not_registration_order(world):

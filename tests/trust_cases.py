@@ -178,7 +178,8 @@ def dtype_policy(rank, world_size):
 
 
 def optimizer_probe(rank, world_size):
-    """Which optimizers are accepted: by behaviour (elementwise or not), not by name."""
+    """Which optimizers are accepted: by behaviour (elementwise or not), or by their declaration
+    that they step whole parameters (Muon, Adafactor)."""
     out = {}
     candidates = {
         "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),

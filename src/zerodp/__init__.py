@@ -11,6 +11,7 @@ from .distributed import CollectiveError, CommLedger, Topology, init_distributed
 from .memory.estimator import estimate
 from .memory.ledger import MemoryReport
 from .optim import ZeroOptimizer
+from .optim.multi import OptimizerList, split_hidden_matrices
 from .schedule.stage3 import gathered_parameters
 from .sharding.meta_init import init
 from .version import __version__
@@ -19,6 +20,6 @@ __all__ = [
     "CollectiveError", "Config", "ConfigError", "CommLedger", "MemoryReport", "Topology", "ZeroOptimizer",
     "init_distributed", "shutdown_distributed", "init", "initialize", "gathered_parameters",
     "save", "load", "latest", "consolidate", "export", "load_pretrained", "estimate",
-    "full_state_dict", "save_pretrained", "wait_for_saves",
+    "full_state_dict", "save_pretrained", "wait_for_saves", "OptimizerList", "split_hidden_matrices",
     "__version__",
 ]

@@ -21,7 +21,7 @@ from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
 from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
-from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params
+from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params, whole_param_flags
 from .schedule.base import eager_hook
 from .schedule.compile import compile_forwards
 from .schedule.reducer import GradReducer
@@ -135,7 +135,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,
-                              config.zeropp)
+                              config.zeropp, whole=whole_param_flags(inner, group_indices, len(named)))
         try:
             schedule = Stage3Engine(sharded.units, comm, config.backward, config.units, sharded.pool,
                                     sharded.secondary_pool)
@@ -155,7 +155,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))
     else:
         flat = flatten_groups(model, named, group_indices, comm, config.stage, config.precision,
-                              config.bucket_bytes)
+                              config.bucket_bytes, whole=whole_param_flags(inner, group_indices, len(named)))
         reducer = GradReducer(flat.groups, comm, config.backward, flat.backward_order)
         model.register_forward_pre_hook(eager_hook(lambda module, args: reducer.check_no_open_backward()))
         model.register_forward_hook(eager_hook(lambda module, args, output: reducer.watch_outputs(output)

@@ -55,6 +55,18 @@ class MemoryReport:
     # Frozen parameters (requires_grad=False): replicated at stages 0-2, sharded at stage 3
     # ([Note: frozen parameters] in sharding/frozen.py); no gradient, master or state.
     frozen_params: int = 0
+    # [Note: whole-parameter alignment] in layout.py: of padded_numel - numel, the elements
+    # added so that parameters stepped whole lie in one rank's chunk; and per rank of the shard
+    # axis, the parameter elements (padding not counted) whose master and states it holds.
+    alignment_padding: int = 0
+    owned_numel: tuple = ()
+
+    @property
+    def owned_imbalance(self) -> float:
+        """Largest rank's owned parameter elements over the mean (1.0: balanced)."""
+        if not self.owned_numel or not sum(self.owned_numel):
+            return 1.0
+        return max(self.owned_numel) * len(self.owned_numel) / sum(self.owned_numel)
 
     @property
     def model_state(self) -> int:
@@ -69,7 +81,7 @@ class MemoryReport:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["other_by_owner"] = dict(self.other_by_owner)
-        return {**out, "model_state": self.model_state, "total": self.total}
+        return {**out, "model_state": self.model_state, "total": self.total, "owned_imbalance": self.owned_imbalance}
 
 
 def storage_key(t: torch.Tensor):
@@ -156,6 +168,20 @@ def is_elementwise_state(value, param: torch.Tensor) -> bool:
     """A per-element optimizer state (shaped like its parameter, e.g. Adam's exp_avg), as
     opposed to a 0-dim scalar such as Adam's step counter."""
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+
+
+def scalar_state(key: str, value, param: torch.Tensor, name: str = ""):
+    """A state that is not per-element, as the plain number checkpoints keep; a tensor that is
+    neither (Adafactor's factored row and column moments, one per row or column of a whole
+    parameter) is refused, naming it: a checkpoint has no place for it yet."""
+    if not torch.is_tensor(value):
+        return value
+    if value.numel() != 1:
+        raise ValueError(f"optimizer state {key!r}{' of ' + name if name else ''} has shape {tuple(value.shape)} "
+                         f"for a parameter of shape {tuple(param.shape)}: neither per-element nor a scalar, so "
+                         f"zerodp's checkpoints and state dicts cannot hold it (Adafactor's factored moments); "
+                         f"train without saving the optimizer, or use an optimizer whose states are per element")
+    return float(value)
 
 
 def formula_bytes(stage: int, numel: int, world_size: int, param_bytes: int, grad_bytes: int,

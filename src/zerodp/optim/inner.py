@@ -1,22 +1,71 @@
 """The user's optimizer: built over the model's own parameters, grouped, and checked to be
-elementwise, before the sharded optimizer swaps its parameters for master shards."""
+elementwise or declared to need whole parameters, before the sharded optimizer swaps its
+parameters for master shards.
+
+[Note: whole-parameter optimizers]
+An optimizer whose update of a parameter needs the whole parameter (Muon orthogonalizes
+the whole momentum matrix; Adafactor factors the second moment into row and column means)
+says so, and zerodp then packs each of its parameters whole into one rank's chunk ([Note:
+whole-parameter alignment] in memory/layout.py) and hands it over in its own shape. It is
+declared by the class: a class attribute `zerodp_whole_params = True` (a user's own
+optimizer, or False for a subclass that is elementwise again), else membership of
+`WHOLE_PARAMETER_OPTIMIZERS` (torch's, which zerodp cannot annotate). A declaration, not a
+probe: stepping pieces of a tensor tells whether an update is elementwise, but not what an
+optimizer that refuses 1-D tensors would accept. Any other optimizer is probed by
+`check_elementwise` and refused if its update is not elementwise.
+"""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
+from .multi import OptimizerList, member_of
+
 log = logging.getLogger(__name__)
 
-__all__ = ["OptimizerSpec", "build_optimizer", "check_elementwise", "elementwise_state_dtypes", "grouped_params"]
+__all__ = ["OptimizerSpec", "WHOLE_PARAMETER_OPTIMIZERS", "build_optimizer", "check_elementwise",
+           "elementwise_state_dtypes", "grouped_params", "needs_whole_params", "whole_param_flags"]
 
-OptimizerSpec = Union[type, Callable[[list], torch.optim.Optimizer]]
+OptimizerSpec = Union[type, Callable[[list], torch.optim.Optimizer], Sequence]
+
+# [Note: whole-parameter optimizers]; torch's own, which cannot carry the class attribute.
+WHOLE_PARAMETER_OPTIMIZERS: tuple = tuple(getattr(torch.optim, name) for name in ("Muon", "Adafactor")
+                                          if hasattr(torch.optim, name))
+
+
+def needs_whole_params(optimizer) -> bool:
+    """Whether an optimizer (class or instance) steps each parameter whole ([Note:
+    whole-parameter optimizers])."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    declared = getattr(cls, "zerodp_whole_params", None)
+    if declared is not None:
+        return bool(declared)
+    return issubclass(cls, WHOLE_PARAMETER_OPTIMIZERS)
+
+
+def whole_param_flags(inner: torch.optim.Optimizer, group_indices: list[list[int]], count: int) -> list[bool]:
+    """Per trainable parameter (indices of `group_indices`), whether its optimizer steps it whole."""
+    flags = [False] * count
+    for gi, idx in enumerate(group_indices):
+        if needs_whole_params(member_of(inner, gi)[0]):
+            for i in idx:
+                flags[i] = True
+    return flags
 
 
 def build_optimizer(optimizer: OptimizerSpec, params: list, kwargs: dict) -> torch.optim.Optimizer:
     """The user's optimizer over the model's own parameters: a class with its keyword
-    arguments (`params=` may give param groups), or a callable `params -> optimizer`."""
+    arguments (`params=` may give param groups), or a callable `params -> optimizer`; or a
+    list of optimizers (instances not yet stepped, or such callables) over disjoint
+    parameters, stepped as one ([Note: optimizer list] in multi.py)."""
+    if isinstance(optimizer, (list, tuple)):
+        if kwargs:
+            raise ValueError(f"keyword arguments {sorted(kwargs)} are only for one optimizer class; give each "
+                             f"optimizer of the list its own hyperparameters")
+        built = [o if isinstance(o, torch.optim.Optimizer) else build_optimizer(o, params, {}) for o in optimizer]
+        return OptimizerList(built)
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         kwargs = dict(kwargs)
         groups = kwargs.pop("params", None)
@@ -60,12 +109,22 @@ def _fresh_parts(inner: torch.optim.Optimizer, group: int = 0) -> tuple:
     """What a probe builds a fresh instance of the user's optimizer from: its class, param
     group `group`'s hyperparameters, and its step without torch's step hooks (a probe's
     step is not a user step)."""
-    cls = type(inner)
-    hyper = {k: v for k, v in inner.param_groups[group].items() if k != "params"}
+    member, local = member_of(inner, group)
+    cls = type(member)
+    hyper = {k: v for k, v in member.param_groups[local].items() if k != "params"}
     return cls, hyper, getattr(cls.step, "__wrapped__", cls.step)
 
 
 def check_elementwise(inner: torch.optim.Optimizer) -> None:
+    """Each member of an optimizer list on its own (below); an optimizer declared to need whole
+    parameters is not probed ([Note: whole-parameter optimizers])."""
+    for gi in range(len(inner.param_groups)):
+        member, local = member_of(inner, gi)
+        if local == 0 and not needs_whole_params(member):
+            _check_elementwise(member)
+
+
+def _check_elementwise(inner: torch.optim.Optimizer) -> None:
     """Refuse an optimizer whose update is not elementwise (LBFGS, Adafactor, Muon, ...):
     on flat shards each rank steps 1-D pieces of parameters, which only gives the same
     result if the update of every element depends on that element alone. Tested, not
@@ -103,7 +162,9 @@ def check_elementwise(inner: torch.optim.Optimizer) -> None:
     if why is not None:
         raise ValueError(f"{cls.__name__} is not elementwise: {why}. zerodp steps each rank's flat 1-D shard, "
                          f"so it needs an optimizer whose update treats every element on its own, such as "
-                         f"AdamW, Adam, SGD, Adagrad or RMSprop")
+                         f"AdamW, Adam, SGD, Adagrad or RMSprop; if {cls.__name__}'s update needs each "
+                         f"parameter whole (as Muon's does), declare it with the class attribute "
+                         f"zerodp_whole_params = True and zerodp steps every parameter whole on one rank")
 
 
 def elementwise_state_dtypes(inner: torch.optim.Optimizer, group: int = 0) -> dict:

@@ -29,7 +29,7 @@ import torch
 from ..memory.placement import Placement
 from ..sharding.model_state import LoadedValues
 
-__all__ = ["MasterShard", "ShardStorage", "piece_runs", "runs_of_bytes"]
+__all__ = ["MasterShard", "ShardStorage", "piece_runs", "piece_shapes", "runs_of_bytes"]
 
 
 class ShardStorage(Protocol):
@@ -70,18 +70,23 @@ class MasterShard:
         # Written by an optimizer state dict since the last step: a model state dict loaded
         # next in the compute dtype (torch's set_state_dict loads the optimizer first) keeps it.
         self.restored = False
+        # A parameter stepped whole is one piece, shown to the optimizer in its own shape
+        # ([Note: whole-parameter alignment] in memory/layout.py); any other piece is 1-D.
+        shapes = piece_shapes(storage)
         if self.full_precision:
-            self.master_tensors = storage.owned_params()
+            self.master_tensors = [t.view(shape) for t, shape in zip(storage.owned_params(), shapes)]
         else:
             fp32 = storage.owned_fp32()
             sizes = [t.numel() for t in fp32]
             device = fp32[0].device if fp32 else torch.device("cpu")
             flat = placement.empty(sum(sizes), torch.float32, device)
-            self.master_tensors = list(torch.split(flat, sizes)) if fp32 else []
+            self.master_tensors = ([t.view(shape) for t, shape in zip(torch.split(flat, sizes), shapes)]
+                                   if fp32 else [])
             for m, t in zip(self.master_tensors, fp32):
-                m.copy_(t)
+                m.view(-1).copy_(t.reshape(-1))
             if placement.kind == "host" and fp32:  # the gradient is copied next to the master
-                self.grad_staging = list(torch.split(placement.empty(sum(sizes), torch.float32, device), sizes))
+                self.grad_staging = [b.view(shape) for b, shape in
+                                     zip(torch.split(placement.empty(sum(sizes), torch.float32, device), sizes), shapes)]
 
     def attach_grads(self, inv_scale: float, streamed: frozenset = frozenset()) -> None:
         """Each master's fp32 `.grad`, unscaled; the pieces in `streamed` were copied to their
@@ -104,14 +109,14 @@ class MasterShard:
         it has one (upcast on the way if 16-bit), else itself when fp32, else an fp32 upcast."""
         if staging is None:
             return grad.view(master.shape) if grad.dtype == torch.float32 else grad.float().view(master.shape)
-        self.placement.copy_into(staging, grad.reshape(-1))
+        self.placement.copy_into(staging, grad.view(staging.shape))
         return staging.view(master.shape)
 
     def write_back(self) -> None:
         """Masters into the compute parameters (nothing to do when they are the parameters)."""
         if not self.full_precision:
             for m, param in zip(self.master_tensors, self.storage.owned_params()):
-                self.placement.copy_into(param, m.view_as(param))
+                self.placement.copy_into(param, m.reshape(param.shape))
             self.placement.synchronize()
             self.placement.release(self.master_tensors)  # disk: read for this, dropped again
 
@@ -148,6 +153,18 @@ class MasterShard:
                 master.copy_(given.reshape(-1).to(master.device, torch.float32))
             elif not self.restored:
                 master.copy_(params[pi].reshape(-1)[a:b].to(master.device, torch.float32))
+
+
+def piece_shapes(storage: ShardStorage) -> list[tuple]:
+    """The shape the optimizer sees each owned piece in: its parameter's, where the piece is a
+    whole parameter the layout packed whole (`FlatLayout.whole`), else 1-D."""
+    layout = storage.layout
+    whole = {layout.slots[i].offset: layout.slots[i] for i in storage.indices if layout.whole[i]}
+    out = []
+    for piece in storage.owned_pieces():
+        slot = whole.get(piece.flat_start)
+        out.append(slot.shape if slot is not None and slot.numel == piece.numel else (piece.numel,))
+    return out
 
 
 def piece_runs(storage: ShardStorage) -> list[tuple[int, int, int, int]]:

@@ -30,6 +30,8 @@ from ..sharding.model_state import LoadedValues
 from ..sharding.rows import RowSharding
 from .clipping import check_replicated_grads, global_grad_norm, replicated_runs
 from .delayed import DelayedStepper
+from .inner import needs_whole_params
+from .multi import member_of
 from .master import ShardStorage
 from .report import measure
 from .state_dict import OwnedSlice, load_sharded_state_dict, sharded_state_dict
@@ -65,6 +67,21 @@ class _Window:
     zeroed: bool = False  # optimizer.zero_grad ran
 
 
+def _refuse_split_whole_params(inner: torch.optim.Optimizer, sharded: ShardedModel) -> None:
+    """A tensor-parallel rank holds a slice of a split matrix: an optimizer that needs the
+    whole matrix (Muon's orthogonalization of a slice is not a slice of the whole one's)
+    would step the wrong thing, so it is refused by name ([Note: whole-parameter optimizers]
+    in inner.py). Every rank holds the same plan, so every rank raises."""
+    split = sharded.tensor_parallel.split_names if sharded.tensor_parallel is not None else frozenset()
+    for gi, idx in enumerate(sharded.group_indices):
+        member = member_of(inner, gi)[0]
+        names = [sharded.trainable[i][0] for i in idx if sharded.trainable[i][0] in split]
+        if names and needs_whole_params(member):
+            raise ValueError(f"{type(member).__name__} needs whole parameters, but {names[:3]} are split by tensor "
+                             f"parallelism (tensor_parallel_size > 1): give those to an elementwise optimizer "
+                             f"(e.g. AdamW in an optimizer list), or train with tensor_parallel_size=1")
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Public surface: backward, step, zero_grad, clip_grad_norm_, state_dict,
     load_state_dict, report, and param_groups over the model's parameters (so LR
@@ -88,6 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_sync = sharded.schedule
         self.stage3 = sharded.stage3
         self.frozen_tensors = sharded.frozen
+        _refuse_split_whole_params(inner, sharded)
         stepper = build_stepper(inner, sharded.storages, comm, config.offload, config.compute_dtype,
                                 config.bucket_bytes, sharded.files)
         # [Note: delayed parameter update] in delayed.py (Config.delayed_update_after).

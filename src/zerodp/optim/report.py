@@ -58,5 +58,8 @@ def measure(opt) -> MemoryReport:
         activation_checkpoints_on_host=by_place.get("activations_host", 0),
         activation_checkpoints_peak=store.peak_nbytes if store is not None else 0,
         gathered_params_peak=opt.stage3.gathered_peak_nbytes if opt.stage3 is not None else 0,
+        alignment_padding=sum(lay.alignment_padding for lay in layouts),
+        owned_numel=tuple(sum(lay.owned_numel(r) for lay in layouts) for r in range(opt.comm.shard_size))
+        if opt.config.stage >= 1 else (),
         other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
 

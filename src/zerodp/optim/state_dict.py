@@ -21,7 +21,7 @@ from itertools import chain
 import torch
 
 from ..distributed.agreement import raise_if_any_failed
-from ..memory.ledger import is_elementwise_state
+from ..memory.ledger import is_elementwise_state, scalar_state
 from ..sharding.rows import RowSharding, gather_runs
 from .master import piece_runs
 
@@ -109,7 +109,7 @@ def _local_states(opt, group) -> _GroupStates:
                 if is_elementwise_state(v, t):
                     out.dtypes[k] = str(v.dtype).removeprefix("torch.")
                 else:
-                    scalars.setdefault(k, float(v) if torch.is_tensor(v) else v)
+                    scalars.setdefault(k, scalar_state(k, v, t, st.names[si]))
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..distributed import Comm
 from ..distributed.agreement import raise_if_any_failed
-from ..memory.ledger import is_elementwise_state
+from ..memory.ledger import is_elementwise_state, scalar_state
 from ..sharding.model_state import LoadedValues
 from ..memory.placement import Placement, open_placement
 from ..policies import OffloadPolicy
@@ -185,7 +185,7 @@ class ShardStepper:
                 for t in shard.master_tensors:
                     for k, v in self.inner.state.get(t, {}).items():
                         if not is_elementwise_state(v, t):
-                            found.setdefault(k, float(v) if torch.is_tensor(v) else v)
+                            found.setdefault(k, scalar_state(k, v, t))
             out.append(found)
         return out
 

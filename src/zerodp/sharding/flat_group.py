@@ -5,7 +5,7 @@ live); the group's all-gather is `publish`."""
 from __future__ import annotations
 
 import bisect
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -21,7 +21,8 @@ class FlatParamGroup:
     """One param group's parameters as views of a flat compute-dtype buffer, and its gradients."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm, stage: int,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, bucket_bytes: int):
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, bucket_bytes: int,
+                 whole: Sequence[bool] = ()):
         self.params, self.names, self.stage = params, names, stage
         self.indices = list(range(len(params)))  # every slot of the layout is this group's
         # Sharded over the mesh's shard axis ([Note: mesh axes] in distributed/topology.py).
@@ -29,7 +30,9 @@ class FlatParamGroup:
         self.rank = comm.shard_rank
         device = params[0].device
         bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=reduce_dtype).element_size())
-        self.layout = FlatLayout([p.shape for p in params], comm.shard_size, bucket_numel)
+        # `whole`: the parameters the group's optimizer steps whole ([Note: whole-parameter
+        # alignment] in memory/layout.py), each packed into one rank's chunk.
+        self.layout = FlatLayout([p.shape for p in params], comm.shard_size, bucket_numel, whole)
         self.reduce_dtype = reduce_dtype
         fp32 = self.layout.flatten(params, torch.float32, device)
         self.flat = fp32 if compute_dtype == torch.float32 else hostmem.copy_of(fp32, compute_dtype)
@@ -69,21 +72,36 @@ class FlatParamGroup:
         """Pieces this rank updates (the whole buffer at stage 0, its chunks otherwise), cut
         where a parameter begins, so that each piece belongs to one parameter (the padding
         goes with the last): the optimizer can leave out a parameter that has no gradient,
-        as torch's does, and keeps a step count per parameter, as on DDP."""
+        as torch's does, and keeps a step count per parameter, as on DDP. A parameter stepped
+        whole is also cut where it ends, and the padding after it, which no optimizer may
+        see (Muon refuses a 1-D tensor), is left out ([Note: whole-parameter alignment])."""
+        layout = self.layout
         if self.stage == 0:  # every rank owns all of it, bucket by bucket
-            chunks = [Piece(s.start, s.start, s.numel) for s in self.layout.segments]
+            chunks = [Piece(s.start, s.start, s.numel) for s in layout.segments]
         else:
-            chunks = self.layout.shard_pieces(self.rank)
-        owners_of = [i for i, slot in enumerate(self.layout.slots) if slot.numel]
-        starts = [self.layout.slots[i].offset for i in owners_of]
+            chunks = layout.shard_pieces(self.rank)
+        # Slots by offset: an aligned layout does not keep the parameters' order.
+        owners_of = sorted((i for i, slot in enumerate(layout.slots) if slot.numel), key=lambda i: layout.slots[i].offset)
+        starts = [layout.slots[i].offset for i in owners_of]
+        ends = sorted(layout.slots[i].offset + layout.slots[i].numel for i in owners_of if layout.whole[i])
+        aligned = any(layout.whole)
         pieces, owners = [], []
         for c in chunks:
             end = c.flat_start + c.numel
-            cuts = [c.flat_start] + starts[bisect.bisect_right(starts, c.flat_start): bisect.bisect_left(starts, end)]
+            inside = starts[bisect.bisect_right(starts, c.flat_start): bisect.bisect_left(starts, end)]
+            inside += ends[bisect.bisect_right(ends, c.flat_start): bisect.bisect_left(ends, end)]
+            cuts = [c.flat_start] + sorted(set(inside) - {c.flat_start})
             for lo, hi in zip(cuts, cuts[1:] + [end]):
                 at = bisect.bisect_right(starts, lo) - 1
+                slot = layout.slots[owners_of[at]] if at >= 0 else None
+                if aligned:
+                    owner = self.params[owners_of[at]] if slot is not None and lo < slot.offset + slot.numel else None
+                    if owner is None:
+                        continue
+                else:
+                    owner = self.params[owners_of[at]] if at >= 0 and lo < layout.numel else None
                 pieces.append(Piece(lo, c.shard_start + lo - c.flat_start, hi - lo))
-                owners.append(self.params[owners_of[at]] if at >= 0 and lo < self.layout.numel else None)
+                owners.append(owner)
         return pieces, owners
 
     def owned_pieces(self) -> list[Piece]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,7 +65,7 @@ class FlatUnit(StagedShard):
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
                  sync_from_rank0: bool = True, transfer: Optional[Collectives] = None,
                  secondary: Optional[SecondaryPartition] = None, placement: Optional[Placement] = None,
-                 frozen: tuple = ()):
+                 frozen: tuple = (), whole: Sequence[bool] = ()):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         self.label = f"unit {self.name}"  # the comm ledger's
         self.storage_part = (self, None)  # [Note: gradient streaming] in optim/streaming.py
@@ -79,7 +79,8 @@ class FlatUnit(StagedShard):
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: this rank's node piece of the last forward's gather
         self.exact = True  # the gathered buffer holds the stored values (not a quantized transfer's)
         self.rank, self.data_size = comm.shard_rank, comm.world_size
-        self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT)
+        # `whole`: parameters stepped whole ([Note: whole-parameter alignment] in memory/layout.py).
+        self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT, whole)
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         # A unit may own no trainable parameter (a root whose parameters all live in units):
         # it keeps its hooks, which begin and end each pass, and never communicates.

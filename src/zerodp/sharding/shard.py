@@ -4,6 +4,7 @@ optimizer steps; nothing here installs a hook or knows the optimizer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch.nn as nn
 
@@ -47,9 +48,10 @@ class ShardedUnits:
 
 
 def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, stage: int,
-                   precision: PrecisionPolicy, bucket_bytes: int) -> FlatGroups:
+                   precision: PrecisionPolicy, bucket_bytes: int, whole: Sequence[bool] = ()) -> FlatGroups:
     """Replicate the model from rank 0, cast what stays replicated, and lay out each param
-    group's parameters in one flat buffer."""
+    group's parameters in one flat buffer; those flagged in `whole` (per entry of `named`)
+    each inside one rank's chunk ([Note: whole-parameter alignment] in memory/layout.py)."""
     trainable = {id(p) for _, p in named}
     replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
     apply_compute_dtype(model, precision.compute_dtype, skip=trainable, cast_buffers=precision.cast_buffers)
@@ -60,7 +62,8 @@ def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]]
     for idx in group_indices:
         idx = sorted(idx, reverse=True)
         groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm, stage,
-                                     precision.compute_dtype, precision.reduce_dtype, bucket_bytes))
+                                     precision.compute_dtype, precision.reduce_dtype, bucket_bytes,
+                                     [whole[i] for i in idx] if whole else ()))
     return FlatGroups(groups, backward_order)
 
 
@@ -72,15 +75,18 @@ class _UnitBuild:
     precision: PrecisionPolicy
     zeropp: ZeroPPPolicy
     placement: Placement
+    whole: list  # per trainable parameter: stepped whole ([Note: whole-parameter alignment])
 
 
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, units_policy: UnitPolicy,
-                precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy) -> ShardedUnits:
+                precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy,
+                whole: Sequence[bool] = ()) -> ShardedUnits:
     """Split `model` into units and shard each unit's parameters, trainable ones (`named`)
     and frozen ones ([Note: frozen parameters] in frozen.py). A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
-    directory opened here is closed again if anything fails."""
+    directory opened here is closed again if anything fails. `whole`: as for `flatten_groups`."""
+    whole = list(whole) if whole else [False] * len(named)
     units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params)
     trainable = {id(p) for _, p in named}
     frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in trainable]
@@ -91,10 +97,11 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
     to_build = [ui for ui, idx in enumerate(assignment) if idx or ui == len(units) - 1]
     placement = shard_placement(offload, precision, comm,
                                 [[everything[i][1] for i in assignment[ui]] for ui in to_build],
-                                [[i >= len(named) for i in assignment[ui]] for ui in to_build])
+                                [[i >= len(named) for i in assignment[ui]] for ui in to_build],
+                                [[whole[i] for i in assignment[ui] if i < len(named)] for ui in to_build])
     try:
         return _shard_units(model, everything, len(named), group_indices,
-                            _UnitBuild(comm, precision, zeropp, placement), units, assignment, to_build)
+                            _UnitBuild(comm, precision, zeropp, placement, whole), units, assignment, to_build)
     except BaseException:
         placement.close()  # the directory can be used again at once
         raise
@@ -121,7 +128,7 @@ def _shard_units(model: nn.Module, everything: list, n_trainable: int, group_ind
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
                              comm, precision.compute_dtype, precision.reduce_dtype, pool,
                              sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
-                             placement=placement, frozen=frozen)
+                             placement=placement, frozen=frozen, whole=[build_with.whole[i] for i in idx])
         if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
             hostmem.release_free_heap()
 
@@ -164,7 +171,7 @@ def _shard_units(model: nn.Module, everything: list, n_trainable: int, group_ind
 
 
 def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_params: list,
-                    unit_frozen: list) -> Placement:
+                    unit_frozen: list, unit_whole: list = ()) -> Placement:
     """Where the units' shards live (Config.offload_params; [Note: placement] in
     memory/placement.py). On disk, the parameter, gradient and frozen shards of every unit
     to be built (`unit_params`: each one's parameters; `unit_frozen`: which are frozen) are
@@ -174,9 +181,10 @@ def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Co
     # The layout each unit is built with: a unit with no parameter still keeps a shard of
     # one element per rank (its layout is padded to the shard size), as FlatUnit lays it out.
     numels, frozen_shards = [], []
-    for params, frozen in zip(unit_params, unit_frozen):
+    unit_whole = unit_whole or [()] * len(unit_params)
+    for params, frozen, w in zip(unit_params, unit_frozen, unit_whole):
         numels.append(FlatLayout([p.shape for p, f in zip(params, frozen) if not f], comm.shard_size,
-                                 ONE_SEGMENT).shard_numel)
+                                 ONE_SEGMENT, w).shard_numel)
         by_dtype: dict = {}
         for p, f in zip(params, frozen):
             if f:
