@@ -30,6 +30,7 @@ from .format import (
     write_replicated,
 )
 from .reader import Reader, flat_range, name_mismatch, open_checkpoint
+from .tp_pieces import local_runs, ranks_of, splits_of
 
 __all__ = ["consolidate", "export", "load_pretrained"]
 
@@ -63,7 +64,8 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
         for name, info in meta["params"].items():
             numel = math.prod(info["shape"])
             kind, read_dtype = ("param", dtype) if use_param else ("master", torch.float32)
-            t = reader.read_range(kind, name, info["pieces"], 0, numel, read_dtype).view(info["shape"])
+            whole = [(0, 0, numel)] if numel else []  # by original coordinates: [Note: tensor-parallel pieces]
+            t = reader.read_runs(kind, name, info, whole, numel, read_dtype).view(info["shape"])
             params[name] = t if dtype is None else t.to(dtype)
         replicated = {}
         for k, info in meta["replicated"].items():
@@ -104,15 +106,19 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     are left as they are (start from a fresh optimizer). With strict=True, keys the model
     does not have are an error. Raises before changing anything, on every rank."""
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
-    comm = optimizer.comm
+    comm = ranks_of(optimizer)
+    splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
     masters, replicated, view = [], {}, None
     try:
         view = model_view(model)
         with _FullSource(state_dict) as source:
-            where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label)
+            where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label, splits)
             for s in optimizer.owned_slices():
                 if s.numel:
-                    masters.append((s, source.flat_range(where[s.name], s.start, s.numel).to(torch.float32)))
+                    key = where[s.name]
+                    runs = local_runs(source.shapes[key], splits.get(s.name), tp_rank, s.start, s.numel)
+                    value = torch.cat([source.flat_range(key, g, n) for g, _, n in runs])
+                    masters.append((s, value.to(torch.float32)))
             replicated = {k: source.tensor(k) for k in view.replicated}
         local = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
@@ -161,11 +167,13 @@ class _FullSource:
         return self._dict[key].detach().clone()
 
 
-def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, label: str) -> dict:
+def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, label: str, splits: dict) -> dict:
     """For each trainable parameter, the key of `shapes` that holds it (any of its tied
     names); raises listing missing, unexpected and mis-shaped names."""
     where, expected, found = {}, {}, {}
-    slice_shapes = {s.name: list(s.shape) for s in slices}  # full shapes; see `_read_for_rank`
+    # Full shapes (see `_read_for_rank`), a split parameter's the original's.
+    slice_shapes = {s.name: list(s.shape) if s.name not in splits else splits[s.name].global_shape(s.shape)
+                    for s in slices}
     for name, keys in view.aliases().items():
         key = next((k for k in keys if k in shapes), keys[0])
         where[name] = key
