@@ -116,6 +116,13 @@ def test_the_checkpoint_is_the_one_process_model(runs):
         assert torch.equal(sd[k], v), k
 
 
+def test_an_asynchronous_save_writes_the_same_files(runs):
+    for opt_name in OPTIMIZERS:
+        saved = runs[opt_name]["saved"][0]
+        sync, background = (json.load(open(os.path.join(p, COMPLETE)))["files"] for p in (saved["path"], saved["async"]))
+        assert sync == background and len(sync) == 2 * 4 + 2, opt_name  # rank{r}.safetensors/.json, metadata, replicated
+
+
 def test_a_save_killed_under_tensor_parallelism_leaves_the_previous_one(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()

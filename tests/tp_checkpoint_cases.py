@@ -47,8 +47,11 @@ def save_case(rank: int, world_size: int, root: str, opt_name: str) -> dict:
     model, opt = _initialize(rank, opt_name, SAVE_TP, SAVE_STAGE)
     losses = _train(model, opt, [0], SAVE_DP, opt.comm.rank)
     path = zerodp.save(os.path.join(root, opt_name), model, opt, data_position=1)
+    # The same save in the background (its channel spans all 4 ranks): the same files.
+    background = zerodp.save(os.path.join(root, f"{opt_name}-async"), model, opt, asynchronous=True,
+                             data_position=1).wait()
     full = zerodp.full_state_dict(model, opt, rank0_only=True)
-    return {"losses": losses, "path": path, "full": full if rank == 0 else None}
+    return {"losses": losses, "path": path, "async": background, "full": full if rank == 0 else None}
 
 
 def resume_case(rank: int, world_size: int, root: str, opt_name: str, tp: int, stage: int) -> dict:
