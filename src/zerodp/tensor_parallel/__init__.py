@@ -13,12 +13,15 @@ from ..policies import TensorParallelPolicy
 from ..distributed import Comm
 from .activations import CheckpointStore
 from .inputs import InputFingerprint
-from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding, gather_from_tp
+from .loss import VocabParallelCausalLMLoss, keep_logits_split, vocab_parallel_cross_entropy
 from .plan import apply_tensor_parallel, plan_of
 from .split import TensorSplit
 
 __all__ = ["CheckpointStore", "ColumnParallelLinear", "InputFingerprint", "RegionEntry", "RowParallelLinear",
-           "TensorParallelModel", "TensorSplit", "VocabParallelEmbedding", "apply_tensor_parallel", "parallelize", "plan_of"]
+           "TensorParallelModel", "TensorSplit", "VocabParallelCausalLMLoss", "VocabParallelEmbedding",
+           "apply_tensor_parallel", "gather_from_tp", "keep_logits_split", "parallelize", "plan_of",
+           "vocab_parallel_cross_entropy"]
 
 
 @dataclass(frozen=True)
