@@ -119,8 +119,10 @@ def test_the_checkpoint_is_the_one_process_model(runs):
 def test_an_asynchronous_save_writes_the_same_files(runs):
     for opt_name in OPTIMIZERS:
         saved = runs[opt_name]["saved"][0]
-        sync, background = (json.load(open(os.path.join(p, COMPLETE)))["files"] for p in (saved["path"], saved["async"]))
-        assert sync == background and len(sync) == 2 * 4 + 2, opt_name  # rank{r}.safetensors/.json, metadata, replicated
+        sync, background = (json.load(open(os.path.join(p, COMPLETE)))["files"]
+                            for p in (saved["path"], saved["async"]))
+        # rank{r}.safetensors and .json of the 4 ranks, metadata.json, replicated.safetensors
+        assert sync == background and len(sync) == 2 * 4 + 2, opt_name
 
 
 def test_a_save_killed_under_tensor_parallelism_leaves_the_previous_one(tmp_path):

@@ -41,8 +41,8 @@ def function_case(rank: int, world_size: int) -> dict:
         records = [(x.op, x.numel, x.axis, x.label) for x in comm.ledger.current[before:]]
         (ref * upstream if reduction == "none" else ref).sum().backward()
         (mine * upstream if reduction == "none" else mine).sum().backward()
-        out[reduction] = {"ref": ref.detach(), "mine": mine.detach(), "ref_grad": ref_in.grad[:, r * width:(r + 1) * width],
-                          "mine_grad": mine_in.grad, "records": records}
+        out[reduction] = {"ref": ref.detach(), "mine": mine.detach(), "mine_grad": mine_in.grad,
+                          "ref_grad": ref_in.grad[:, r * width:(r + 1) * width], "records": records}
     none_kept = torch.full((4,), IGNORE)
     out["all_ignored"] = (F.cross_entropy(full[:4], none_kept, ignore_index=IGNORE),
                           vocab_parallel_cross_entropy(full[:4, r * width:(r + 1) * width], none_kept, comm))

@@ -175,7 +175,8 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     ranks = ranks_of(optimizer)
     rng = None
     # A rank's random state is its place's: the same world split the same way.
-    if meta["world_size"] == ranks.world_size and meta.get("tensor_parallel_size", 1) == optimizer.comm.topology.tp_size:
+    same_tp = meta.get("tensor_parallel_size", 1) == optimizer.comm.topology.tp_size
+    if meta["world_size"] == ranks.world_size and same_tp:
         rng = read_rank_json(path, rank_json(ranks.rank), files)
     return _Loaded(masters, states, replicated, view.replicated, rng)
 
