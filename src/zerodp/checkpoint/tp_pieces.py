@@ -57,8 +57,7 @@ class Ranks:
 
 def ranks_of(optimizer) -> Ranks:
     comm = optimizer.comm
-    tp = comm.topology.tp_size
-    return Ranks(comm, comm.rank * tp + comm.topology.tp_rank, comm.world_size * tp)
+    return Ranks(comm, comm.topology.process_rank, comm.topology.process_count)
 
 
 def splits_of(optimizer) -> Mapping[str, TensorSplit]:
