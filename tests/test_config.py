@@ -290,7 +290,7 @@ WORLD_REFUSED = [
      "needs the default process group"),
     ({"stage": 3, "hpz": True}, {"world_size": 4, "default_group": False, **TORCHRUN_2x2},
      "need the default process group"),
-    ({"tensor_parallel_size": 2}, {"world_size": 4, "model_on_meta": True}, "meta device"),
+    ({"tensor_parallel_size": 2, "stage": 3}, {"world_size": 4, "model_on_meta": True}, "meta device"),
     ({"tensor_parallel_size": 3}, {"world_size": 4}, "tensor_parallel_size=3 does not divide the world size 4"),
     ({"tensor_parallel_size": 2}, {"world_size": 4, "device_type": "mps"}, "on a mps device"),
     ({"stage": 2, "offload_optimizer": "disk", "offload_dir": "/tmp"}, {"device_type": "cuda"},

@@ -6,7 +6,7 @@ import pytest
 
 import zerodp
 from tp_cases import OPTIMIZERS
-from tp_combos_cases import COMBOS, combo_case
+from tp_combos_cases import COMBOS, combo_case, meta_case
 from tp_slices import error_of, max_diff_to_reference, sgd_bound
 
 
@@ -22,6 +22,16 @@ def test_tensor_parallel_with_offload_or_hybrid_sharding_matches_one_process(poo
         diff = max_diff_to_reference(r, ref, rank % 2, 2)
         assert diff <= bound, (name, rank, diff, bound)
         assert r["losses"] == results[rank - rank % 2]["losses"], rank  # the same on both tensor-parallel ranks
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_model_built_under_zerodp_init_is_split_at_stages_below_3(pool, stage):
+    results = pool.run(4, meta_case, stage, timeout_s=300)
+    ref = results[0]["ref"]
+    lr, momentum = OPTIMIZERS["sgd"][1]["lr"], OPTIMIZERS["sgd"][1]["momentum"]
+    bound = sgd_bound(lr, momentum, ref["grad_max"], clipped_numel=ref["numel"])
+    for rank, r in enumerate(results):
+        assert max_diff_to_reference(r, ref, rank % 2, 2) <= bound, rank
 
 
 @pytest.mark.parametrize("field,value,reason", [("hpz", True, "node axes"), ("quantize_grads", "int8", "node axes"),

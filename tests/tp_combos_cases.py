@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 import zerodp
-from tp_cases import build, reference, train
+from tp_cases import (BATCH, CLIP, GPT_CFG, OPTIMIZERS, STEPS, build, global_batch, local_params, loss_of, reference,
+                      train)
+from zerodp.demo.models import GPT
 
 COMBOS = {
     "offload host, stage 1": (1, {"offload_optimizer": "host"}),
@@ -29,3 +31,23 @@ def combo_case(rank: int, world_size: int, name: str, offload_dir: str) -> dict:
     t = opt.comm.topology
     mesh = {"tp": t.tp_size, "replicate": t.replicate_size, "shard": t.shard_size}
     return {**train("gpt", "sgd", 2, 2, stage, rank, **fields), "ref": ref, "mesh": mesh}
+
+
+def meta_case(rank: int, world_size: int, stage: int) -> dict:
+    """The GPT built under zerodp.init (seeded as tp_cases.build seeds it: rank 0's is the
+    reference's weights), then tp_cases' run at 2 x 2."""
+    torch.manual_seed(rank)
+    with zerodp.init():
+        model = GPT(GPT_CFG)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, opt = zerodp.initialize(model.train(), torch.optim.SGD, zerodp.Config(stage=stage, tensor_parallel_size=2),
+                                   **OPTIMIZERS["sgd"][1])
+    dp_rank, losses = rank // 2, []
+    for step in range(STEPS):
+        loss = loss_of("gpt", model, global_batch(step, 2)[dp_rank * BATCH:(dp_rank + 1) * BATCH])
+        opt.backward(loss)
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"params": local_params(model), "losses": losses, "ref": reference("gpt", "sgd", 2) if rank == 0 else None}
