@@ -21,7 +21,9 @@ flat buffer or a stage-3 unit, so the layout does not depend on the rank count, 
 size, stage or unit choice:
 any world size and stage reads any checkpoint by opening only the pieces that overlap
 what it owns (`safe_open(...).get_slice`), with no conversion step. Tensors are stored
-with safetensors only; nothing is pickled.
+with safetensors only; nothing is pickled. Under tensor parallelism a split parameter's
+pieces are ranges of one tensor-parallel rank's slice, with the split described beside
+them: [Note: tensor-parallel pieces] in tp_pieces.py.
 
 [Note: trainable state comes from the optimizer]
 Trainable values and shapes are read and written through `optimizer.owned_slices()` (full
