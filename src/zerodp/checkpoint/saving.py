@@ -104,8 +104,8 @@ def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict) -> 
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
-        fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
         _refuse_split_frozen(model, optimizer)
+        fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
         slices = _slices_to_write(optimizer)
         splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
