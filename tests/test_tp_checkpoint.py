@@ -67,6 +67,8 @@ def test_a_2x2_checkpoint_loads_exactly_at_another_layout(runs, opt_name, load):
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     assert resumed["step_count"] == STEPS
+    # A full state dict given to load_pretrained lands in every rank's slice exactly.
+    assert all(r["pretrained_equal"] for r in runs[opt_name][load])
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))

@@ -64,8 +64,15 @@ def resume_case(rank: int, world_size: int, root: str, opt_name: str, tp: int, s
     resaved = zerodp.save(os.path.join(root, f"{opt_name}-{dp}x{tp}"), model, opt)
     losses = _train(model, opt, range(extra["data_position"], STEPS), dp, opt.comm.rank)
     final = zerodp.full_state_dict(model, opt, rank0_only=True)
-    return {"loaded": loaded, "final": final, "losses": losses, "resaved": resaved,
-            "step_count": opt.step_count} if rank == 0 else {"losses": losses}
+    # load_pretrained from the one-process state dict: each rank reads its slice's elements.
+    whole = zerodp.consolidate(os.path.join(root, opt_name))
+    fresh, fresh_opt = _initialize(200 + rank, opt_name, tp, stage)
+    zerodp.checkpoint.load_pretrained(fresh, whole, fresh_opt)
+    pretrained = zerodp.full_state_dict(fresh, fresh_opt)
+    pretrained_equal = all(torch.equal(pretrained[k], v) for k, v in whole.items())
+    return {"loaded": loaded, "final": final, "losses": losses, "resaved": resaved, "pretrained_equal":
+            pretrained_equal, "step_count": opt.step_count} if rank == 0 else {"losses": losses,
+                                                                              "pretrained_equal": pretrained_equal}
 
 
 def killed_while_saving(rank: int, world_size: int, root: str) -> str:
