@@ -14,7 +14,9 @@ refused and Pa+cpu is the host copy alone). Reported per variant: the median
 step time (slowest rank, after the warm-up steps), the peak RSS of the largest rank, the
 activation checkpoints a rank holds at most (the memory ledger's, measured from the store's
 tensors), the bytes Pa's all-gathers and the tensor-parallel collectives move per step (the
-comm ledger's), and the final loss. Then the paper's §6.1 figure from `zerodp estimate`.
+comm ledger's), and the final loss. `2x2_split` keeps the LM head's logits split over the
+vocabulary and computes the loss on them (`zerodp.tensor_parallel.keep_logits_split`). With
+`--checkpoint-dir`, each variant's trained state is saved and loaded back, timed. Then the paper's §6.1 figure from `zerodp estimate`.
 On CPU "host" is the same memory as "device": Pa+cpu's copies happen (the code path a GPU run
 takes) but free nothing; its row shows their cost.
 """
@@ -38,8 +40,9 @@ WARMUP = 2
 LAYOUTS = {"2x2": 2, "4x1": 1}  # name -> tensor-parallel size
 PA = {"none": {}, "pa": {"partition_activations": True},
       "pa_cpu": {"partition_activations": True, "activations_on_host": True},
-      "cpu": {"activations_on_host": True}}  # at TP 1 there is nothing to partition: Pa+cpu is "cpu"
-VARIANTS = ("2x2_none", "2x2_pa", "2x2_pa_cpu", "4x1_none", "4x1_cpu")
+      "cpu": {"activations_on_host": True},  # at TP 1 there is nothing to partition: Pa+cpu is "cpu"
+      "split": {}}  # no Pa; the LM head's logits kept split, the loss on the pieces (keep_logits_split)
+VARIANTS = ("2x2_none", "2x2_split", "2x2_pa", "2x2_pa_cpu", "4x1_none", "4x1_cpu")
 
 
 def worker(args) -> None:
@@ -58,6 +61,8 @@ def worker(args) -> None:
     cfg = zerodp.Config(stage=args.stage, tensor_parallel_size=tp, unit_modules=["Block"] if args.stage == 3 else [],
                         **PA[pa])
     model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-4)
+    if pa == "split":
+        zerodp.tensor_parallel.keep_logits_split(model)
     # Every data-parallel rank takes its part of one global batch (the same for every variant).
     batches = make_batches(0, args.steps, args.global_batch, args.seq, model.config.vocab_size)
     per = args.global_batch // dp
@@ -77,8 +82,22 @@ def worker(args) -> None:
                 "tp": sum(r.nbytes for r in records if r.axis == "tp" and r.label.startswith("tensor parallel")),
                 "zero": sum(r.nbytes for r in records if r.axis != "tp" and r.phase in ("forward", "backward"))}
     report = opt.memory_report()
-    mine = {"step_s": step_s, "losses": losses, "peak_rss": peak_rss_bytes(), "comm": comm,
-            "act_peak": report.activation_checkpoints_peak, "model_state": report.model_state}
+    peak = peak_rss_bytes()  # before the checkpoint's copies
+    ckpt = None
+    if args.checkpoint_dir:  # the trained state saved, then loaded back: each timed from a barrier to a barrier
+        path = os.path.join(args.checkpoint_dir, args.variant)
+        dist.barrier()
+        t0 = time.perf_counter()
+        zerodp.save(path, model, opt)
+        dist.barrier()
+        t1 = time.perf_counter()
+        zerodp.load(path, model, opt)
+        dist.barrier()
+        t2 = time.perf_counter()
+        size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+        ckpt = {"save_s": t1 - t0, "load_s": t2 - t1, "bytes": size}
+    mine = {"step_s": step_s, "losses": losses, "peak_rss": peak, "comm": comm,
+            "act_peak": report.activation_checkpoints_peak, "model_state": report.model_state, "ckpt": ckpt}
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -86,7 +105,9 @@ def worker(args) -> None:
         record = {"variant": args.variant, "tp": tp, "dp": dp, "median_step_s": statistics.median(slowest[WARMUP:]),
                   "peak_rss": max(r["peak_rss"] for r in everyone), "act_peak": max(r["act_peak"] for r in everyone),
                   "model_state": max(r["model_state"] for r in everyone), "comm": everyone[0]["comm"],
-                  "final_loss": statistics.fmean(everyone[d * tp]["losses"][-1] for d in range(dp))}
+                  "final_loss": statistics.fmean(everyone[d * tp]["losses"][-1] for d in range(dp)),
+                  "ckpt": everyone[0]["ckpt"],
+                  "loss_comm": sum(r.nbytes for r in records if r.label == "vocab-parallel loss")}
         with open(args.results, "a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"[bench_tp] {args.variant}: {record['median_step_s']:.2f} s/step", flush=True)
@@ -99,6 +120,8 @@ def launch(args, variant: str, results: Path, log: Path) -> str | None:
            str(Path(__file__).resolve()), "--worker", "--variant", variant, "--model", args.model,
            "--seq", str(args.seq), "--steps", str(args.steps), "--global-batch", str(args.global_batch),
            "--stage", str(args.stage), "--results", str(results), "--timeout", str(args.timeout)]
+    if args.checkpoint_dir:
+        cmd += ["--checkpoint-dir", args.checkpoint_dir]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
@@ -114,8 +137,9 @@ def launch(args, variant: str, results: Path, log: Path) -> str | None:
 def table(records: dict, failures: dict) -> str:
     base = records.get("2x2_none")
     rows = ["| variant | DP x TP | step s | x 2x2 no Pa | peak RSS GiB/rank | activation checkpoints/rank (peak) | "
-            "Pa all-gather MiB/step | TP collectives MiB/step | ZeRO MiB/step | final loss |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "Pa all-gather MiB/step | TP collectives MiB/step | ZeRO MiB/step | final loss | save s | load s | "
+            "checkpoint MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v in VARIANTS:
         if v in failures:
             rows.append(f"| {v} | — | failed: {failures[v]} | | | | | | | |")
@@ -129,7 +153,9 @@ def table(records: dict, failures: dict) -> str:
                     f"{r['peak_rss'] / 2**30:.2f} | "
                     f"{held} | "
                     f"{r['comm']['pa_gather'] / 2**20:.2f} | {r['comm']['tp'] / 2**20:.1f} | "
-                    f"{r['comm']['zero'] / 2**20:.1f} | {r['final_loss']:.6f} |")
+                    f"{r['comm']['zero'] / 2**20:.1f} | {r['final_loss']:.6f} | " + (
+                        f"{r['ckpt']['save_s']:.2f} | {r['ckpt']['load_s']:.2f} | {r['ckpt']['bytes'] / 2**20:.1f} |"
+                        if r.get("ckpt") else "— | — | — |"))
     return "\n".join(rows)
 
 
@@ -151,7 +177,7 @@ def parent(args) -> None:
         else:
             failures[variant] = err or "no result"
             print(f"[bench_tp] {variant} FAILED: {failures[variant]}", flush=True)
-    paper = [str(ROOT / ".venv" / "bin" / "zerodp"), "estimate", "--params", "100e9", "--tp-size", "16",
+    paper = [sys.executable, "-m", "zerodp", "estimate", "--params", "100e9", "--tp-size", "16",
              "--world-sizes", "1", "--layers", "125", "--hidden", "8192", "--seq-len", "1024", "--batch-size", "32",
              "--partition-activations"]
     estimate = subprocess.run(paper, capture_output=True, text=True).stdout.strip()
@@ -161,7 +187,7 @@ def parent(args) -> None:
         f"GPT {args.model}, world {WORLD} on CPU/gloo, OMP_NUM_THREADS=1, stage {args.stage}, fp32 AdamW, sequence "
         f"{args.seq}, global batch {args.global_batch}, every block checkpointed (non-reentrant), {args.steps} steps "
         f"({WARMUP} warm-up).", "", f"Load before: `{load_before}`  ", f"Load after: `{uptime()}`", "",
-        table(records, failures), "", "The paper's §6.1 case from the estimator (`" + " ".join(paper[1:]) + "`):",
+        table(records, failures), "", "The paper's §6.1 case from the estimator (`" + " ".join(paper[3:]) + "`):",
         "", "```", estimate, "```", ""])
     out.write_text(text)
     print("\n" + text)
@@ -177,6 +203,8 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=4, help="sequences per step, over all data-parallel ranks")
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--checkpoint-dir", help="after training, time zerodp.save and zerodp.load of the state "
+                                             "into <dir>/<variant> (slowest rank: barrier to barrier)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

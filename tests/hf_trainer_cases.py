@@ -157,9 +157,21 @@ def refusals(root: str) -> dict:
     out = os.path.join(root, "refused")
     stream = trainer_for(out, zerodp.Config(tensor_parallel_size=WORLD))
     stream.train_dataset = Stream()
-    return {"save": error_of(lambda: trainer_for(out, zerodp.Config(tensor_parallel_size=WORLD), save_strategy="steps")),
-            "divide": error_of(lambda: trainer_for(out, zerodp.Config(tensor_parallel_size=3))),
+    return {"divide": error_of(lambda: trainer_for(out, zerodp.Config(tensor_parallel_size=3))),
             "dispatch": error_of(stream.get_train_dataloader)}
+
+
+def tensor_parallel_resume(root: str) -> dict:
+    """The Trainer under tensor parallelism (one data-parallel rank of WORLD) saving every step,
+    then a fresh Trainer resuming from checkpoint-1: the steps after it, as the run went."""
+    config = zerodp.Config(stage=2, tensor_parallel_size=WORLD)
+    out = os.path.join(root, "tp-ckpt")
+    first = trainer_for(out, config, save_strategy="steps", save_steps=1)
+    first.train()
+    listing = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+    resumed = trainer_for(os.path.join(root, "tp-resumed"), config)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+    return {"full": history(first), "resumed": history(resumed), "listing": listing}
 
 
 def _distributed_env(rank: int, world_size: int) -> None:
@@ -184,5 +196,6 @@ def trainer_world(rank: int, world_size: int, root: str) -> dict:
                     per_device_train_batch_size=WORLD * BATCH, per_device_eval_batch_size=WORLD * BATCH)
     out["fault"] = interrupted_save(root)
     out["refusals"] = refusals(root)
+    out["tp_resume"] = tensor_parallel_resume(root)
     out["numel"] = numel()
     return out

@@ -70,9 +70,8 @@ BAD = [
     ({"activations_on_host": 1}, "activations_on_host", "true or false"),
     ({"partition_activations": True}, "partition_activations", "tensor_parallel_size=1 has one"),
     ({"hpz": True, "stage": 3, "tensor_parallel_size": 2}, "hpz", "tensor_parallel_size=1"),
-    ({"replicate_size": 2, "tensor_parallel_size": 2}, "replicate_size", "tensor_parallel_size=1"),
-    ({"offload_optimizer": "host", "stage": 2, "tensor_parallel_size": 2}, "offload_optimizer",
-     "tensor_parallel_size=1"),
+    ({"quantize_weights": True, "stage": 3, "tensor_parallel_size": 2}, "quantize_weights", "tensor_parallel_size=1"),
+    ({"quantize_grads": "int8", "stage": 3, "tensor_parallel_size": 2}, "quantize_grads", "tensor_parallel_size=1"),
     # Every numeric field, for finiteness and range (issue 22 item 23): inf was accepted, then
     # initialize raised an OverflowError naming nothing (the timeout), or fp16 skipped every
     # step forever (the loss scale).
@@ -276,8 +275,9 @@ def test_init_distributed_single_process(monkeypatch):
 def test_a_tensor_parallel_refusal_reads_as_one_sentence():
     with pytest.raises(ConfigError) as e:
         Config(stage=3, hpz=True, tensor_parallel_size=2)
-    assert str(e.value) == ("Config.hpz=True is not allowed: tensor_parallel_size=2 does not support it yet: "
-                            "use False, or tensor_parallel_size=1")
+    assert str(e.value) == ("Config.hpz=True is not allowed: hpZ keeps a copy per node, and under "
+                            "tensor_parallel_size=2 the data-parallel group skips the tensor-parallel ranks, over "
+                            "which ZeRO++'s node axes are not built; use False, or tensor_parallel_size=1")
 
 
 # -- the Config against its world (config_world.py): pure, one process ------------------------
@@ -290,7 +290,7 @@ WORLD_REFUSED = [
      "needs the default process group"),
     ({"stage": 3, "hpz": True}, {"world_size": 4, "default_group": False, **TORCHRUN_2x2},
      "need the default process group"),
-    ({"tensor_parallel_size": 2}, {"world_size": 4, "model_on_meta": True}, "meta device"),
+    ({"tensor_parallel_size": 2, "stage": 3}, {"world_size": 4, "model_on_meta": True}, "meta device"),
     ({"tensor_parallel_size": 3}, {"world_size": 4}, "tensor_parallel_size=3 does not divide the world size 4"),
     ({"tensor_parallel_size": 2}, {"world_size": 4, "device_type": "mps"}, "on a mps device"),
     ({"stage": 2, "offload_optimizer": "disk", "offload_dir": "/tmp"}, {"device_type": "cuda"},

@@ -243,7 +243,10 @@ def _bad_gemma_scaled_embedding(rank: int) -> str:
 
 
 def _bad_save(rank: int) -> str:
-    model, opt = zerodp.initialize(build("gpt"), torch.optim.SGD, BAD_CFG, lr=0.1)
+    # A frozen parameter the plan splits: the checkpoint keeps frozen parameters whole, from rank 0.
+    model = build("gpt")
+    model.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)
+    model, opt = zerodp.initialize(model, torch.optim.SGD, BAD_CFG, lr=0.1)
     return error_of(lambda: zerodp.save("/nonexistent/tp-ckpt", model, opt))
 
 

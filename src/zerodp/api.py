@@ -130,7 +130,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         comm = Comm(topology=comm.topology.with_node_axes(), ledger=comm.ledger)
     if config.tensor_parallel_size > 1:  # [Note: tensor-parallel axis]; ZeRO then shards over data ranks
         comm = Comm(topology=Topology.build_tensor_parallel(config.tensor_parallel_size, comm_device,
-                                                             config.collective_timeout_s), ledger=comm.ledger)
+                                                             config.collective_timeout_s, config.replicate_size),
+                    ledger=comm.ledger)
     tensor_parallel = parallelize(model, comm, config.tensor_parallel)
 
     if config.stage == 3:

@@ -340,13 +340,19 @@ class Config:
             raise _bad("compile_units", True, "the tensor-parallel layers run their collectives inside the forward "
                                               "a compiled unit would trace: use compile_units=False, or "
                                               "tensor_parallel_size=1")
-        # Each of these splits or sends the shard axis by node, or keeps a copy of it per rank,
-        # in ways not yet worked out over a data-parallel group that skips tensor-parallel ranks.
-        for name, off in (("replicate_size", 1), ("hpz", False), ("quantize_weights", False),
-                          ("quantize_grads", None), ("offload_optimizer", "none")):
+        # Offload and hybrid sharding run beside it: a rank's shard of its slice goes to the host
+        # or disk as any shard does, and the data-parallel ranks form the replicate x shard mesh
+        # (docs/tensor_parallel.md, "Combinations"). ZeRO++ is refused, for the reason below.
+        tp = f"tensor_parallel_size={self.tensor_parallel_size}"
+        reasons = {"hpz": f"hpZ keeps a copy per node, and under {tp} the data-parallel group skips the "
+                          f"tensor-parallel ranks, over which ZeRO++'s node axes are not built",
+                   "quantize_grads": f"qgZ reduces node by node, and under {tp} the data-parallel group skips the "
+                                     f"tensor-parallel ranks, over which ZeRO++'s node axes are not built",
+                   "quantize_weights": f"qwZ beside {tp} is not built and tested yet (its quantized gathers run "
+                                       f"on the shard axis alone, which may well suffice)"}
+        for name, off in (("hpz", False), ("quantize_weights", False), ("quantize_grads", None)):
             if getattr(self, name) != off:
-                raise _bad(name, getattr(self, name), f"tensor_parallel_size={self.tensor_parallel_size} does "
-                                                      f"not support it yet: use {off!r}, or tensor_parallel_size=1")
+                raise _bad(name, getattr(self, name), f"{reasons[name]}; use {off!r}, or tensor_parallel_size=1")
 
     def _check_zeropp(self) -> None:
         if self.quantize_grads is not None and self.quantize_grads not in QUANTIZED_BITS:

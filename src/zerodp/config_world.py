@@ -77,10 +77,13 @@ def check_world(config: Config, world: WorldFacts) -> Config:
             raise ConfigError("Config.hpz / quantize_grads split the ranks by node, as torchrun numbers them: they "
                               "need the default process group; pass no process_group, or leave them off")
     if tp > 1:
-        if world.model_on_meta:
-            raise ConfigError(f"Config.tensor_parallel_size={tp}: the model is on the meta device (built under "
-                              f"zerodp.init); tensor parallelism splits real weights: build the model normally, "
-                              f"or without zerodp.init")
+        # Stages 0-2 materialise a zerodp.init model whole before the split; stage 3 gives
+        # each unit real storage only as it shards it, after the split would have needed it.
+        if world.model_on_meta and config.stage == 3:
+            raise ConfigError(f"Config.tensor_parallel_size={tp} at stage 3: the model is on the meta device "
+                              f"(built under zerodp.init), and stage 3 materialises each unit as it shards it, "
+                              f"after tensor parallelism must cut the whole weights: build the model normally, "
+                              f"or use stage 0-2 (which materialise it whole first)")
         if size % tp:
             raise ConfigError(f"Config.tensor_parallel_size={tp} does not divide the world size {size}: use a "
                               f"divisor of {size}")

@@ -31,6 +31,7 @@ from .format import (
     write_replicated,
 )
 from .reader import Reader, flat_range, name_mismatch, open_checkpoint
+from .tp_pieces import local_runs, ranks_of, splits_of
 
 __all__ = ["consolidate", "export", "load_pretrained"]
 
@@ -64,7 +65,8 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
         for name, info in meta["params"].items():
             numel = math.prod(info["shape"])
             kind, read_dtype = ("param", dtype) if use_param else ("master", torch.float32)
-            t = reader.read_range(kind, name, info["pieces"], 0, numel, read_dtype).view(info["shape"])
+            whole = [(0, 0, numel)] if numel else []  # by original coordinates: [Note: tensor-parallel pieces]
+            t = reader.read_runs(kind, name, info, whole, numel, read_dtype).view(info["shape"])
             params[name] = t if dtype is None else t.to(dtype)
         replicated = {}
         for k, info in meta["replicated"].items():
@@ -109,18 +111,21 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     are left as they are (start from a fresh optimizer). With strict=True, keys the model
     does not have are an error. Raises before changing anything, on every rank."""
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
-    comm = optimizer.comm
+    comm = ranks_of(optimizer)
+    splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
     masters, replicated, frozen, view = [], {}, [], None
     try:
         view = model_view(model, optimizer)
         with _FullSource(state_dict) as source:
-            where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label)
-            for s in optimizer.owned_slices():
-                if s.numel:
-                    masters.append((s, source.flat_range(where[s.name], s.start, s.numel).to(torch.float32)))
+            where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label, splits)
+            def read(s) -> torch.Tensor:  # the slice's elements, from the original's coordinates
+                key = where[s.name]
+                runs = local_runs(source.shapes[key], splits.get(s.name), tp_rank, s.start, s.numel)
+                return torch.cat([source.flat_range(key, g, n) for g, _, n in runs])
+            masters = [(s, read(s).to(torch.float32)) for s in optimizer.owned_slices() if s.numel]
             replicated = {k: source.tensor(k) for k in view.replicated}
             # Frozen parameters sharded at stage 3: each rank reads the rows of its runs only.
-            frozen = [(s, source.flat_range(where[s.name], s.start, s.numel)) for s in frozen_runs(optimizer) if s.numel]
+            frozen = [(s, read(s)) for s in frozen_runs(optimizer) if s.numel]
         local = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
         local = {"ok": False, "error": describe_error(e)}
@@ -170,12 +175,14 @@ class _FullSource:
         return self._dict[key].detach().clone()
 
 
-def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, label: str) -> dict:
+def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, label: str, splits: dict) -> dict:
     """For each trainable parameter, the key of `shapes` that holds it (any of its tied
     names); raises listing missing, unexpected and mis-shaped names."""
     where, expected, found = {}, {}, {}
-    slice_shapes = {s.name: list(s.shape) for s in slices}  # full shapes; see `_read_for_rank`
+    # Full shapes (see `_read_for_rank`), a split parameter's the original's.
+    slice_shapes = {s.name: list(s.shape) for s in slices}
     slice_shapes.update(view.frozen)
+    slice_shapes = {n: shape if n not in splits else splits[n].global_shape(shape) for n, shape in slice_shapes.items()}
     for name, keys in [*view.aliases().items(), *view.aliases("frozen").items()]:
         key = next((k for k in keys if k in shapes), keys[0])
         where[name] = key

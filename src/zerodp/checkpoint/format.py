@@ -23,7 +23,9 @@ flat buffer or a stage-3 unit, so the layout does not depend on the rank count, 
 size, stage or unit choice:
 any world size and stage reads any checkpoint by opening only the pieces that overlap
 what it owns (`safe_open(...).get_slice`), with no conversion step. Tensors are stored
-with safetensors only; nothing is pickled.
+with safetensors only; nothing is pickled. Under tensor parallelism a split parameter's
+pieces are ranges of one tensor-parallel rank's slice, with the split described beside
+them: [Note: tensor-parallel pieces] in tp_pieces.py.
 
 [Note: trainable state comes from the optimizer]
 Trainable values and shapes are read and written through `optimizer.owned_slices()` (full
@@ -199,25 +201,3 @@ def write_replicated(values: dict, targets: dict) -> None:
     for k, v in values.items():
         t = targets[k]
         t.data.copy_(v.to(device=t.device, dtype=t.dtype))
-
-
-def refuse_tensor_parallel(optimizer, what: str) -> None:
-    """zerodp's checkpoint format names each parameter once, for one data-parallel mesh; under
-    tensor parallelism every tensor-parallel rank holds another slice under the same name.
-    The message recommends only what works there: optimizer.state_dict() and the stage-3
-    model's state dict refuse tensor parallelism too (sharding/rows.py)."""
-    tp = optimizer.comm.topology.tp_size
-    if tp <= 1:
-        return
-    if optimizer.config.stage < 3:
-        instead = ("what works instead is the weights alone: model.state_dict() on each rank holds that rank's "
-                   "tensor-parallel slices as plain tensors; save it per rank (the rank in the file name) and "
-                   "give it back with model.load_state_dict() on the same rank. The optimizer state (Adam's "
-                   "moments, the fp32 master) has no checkpoint under tensor parallelism yet")
-    else:
-        instead = ("at stage 3 there is no checkpoint under tensor parallelism yet (the model's and the "
-                   "optimizer's state dicts refuse it too); to keep the weights, train at stage 2 with tensor "
-                   "parallelism, or at stage 3 without")
-    raise CheckpointError(f"rank {optimizer.comm.rank}: {what} with Config.tensor_parallel_size={tp} is not "
-                          f"supported: each tensor-parallel rank holds another slice of the same parameters, "
-                          f"and the format names each parameter once; {instead}")

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..sharding.model_state import full_unit_tensors, serving_whole
-from .format import PathLike, describe_error, plain_module, raise_if_failed, refuse_tensor_parallel
+from .format import PathLike, describe_error, plain_module, raise_if_failed
+from .tp_pieces import ranks_of, splits_of
 
 __all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
 
@@ -28,14 +29,21 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
     shapes, in the dtype the model computes in. Collective: every rank calls it; with
     `rank0_only` the other ranks get {} (and hold nothing after each unit's gather). With
     `frozen_values=False` frozen parameters come as meta tensors of their full shape and
-    dtype, nothing gathered nor copied: for a save of adapters only (a PEFT model's)."""
-    return _full_state(model, optimizer, not rank0_only or optimizer.comm.rank == 0, cpu_offload, frozen_values)
+    dtype, nothing gathered nor copied: for a save of adapters only (a PEFT model's).
+
+    Under tensor parallelism each split parameter is all-gathered over its tensor-parallel
+    group and put back together in the original's shape ([Note: tensor-parallel split]), one
+    parameter at a time; every tensor-parallel group does so, as its ranks must all take part."""
+    return _full_state(model, optimizer, not rank0_only or ranks_of(optimizer).rank == 0, cpu_offload, frozen_values)
 
 
 def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, frozen_values: bool) -> dict:
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
-    refuse_tensor_parallel(optimizer, "zerodp.full_state_dict")
     optimizer.settle()  # a delayed update in flight reaches the parameters first
+    splits = splits_of(optimizer)
+    # A split parameter's slice is needed on every rank of its tensor-parallel group.
+    split_ids = {id(p) for n, p in model.named_parameters() if n in splits}
+    device = "cpu" if cpu_offload else None
     units = optimizer.stage3.units if optimizer.stage3 is not None else []
     frozen_shapes = {id(p): slot.shape for u in units for part in u.frozen
                      for p, slot in zip(part.params, part.layout.slots)}
@@ -48,19 +56,32 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
             continue
         params = [p for part in parts for p in part.params]
         for p, t in zip(params, full_unit_tensors(unit, parts=parts)):  # fresh tensors: no copy needed
-            if keep:
+            if id(p) in split_ids:
+                whole[id(p)] = t
+            elif keep:
                 whole[id(p)] = t.cpu() if cpu_offload else t
+    for name, p in model.named_parameters():  # in the same order on every rank
+        if name in splits and (frozen_values or p.requires_grad):
+            full = _gather_split(optimizer.comm, whole.get(id(p), p.detach()), splits[name])
+            whole[id(p)] = full.to(device or full.device) if keep else None
     if not keep:
         return {}
     result = {}
-    with torch.no_grad():
-        for key, t in model.state_dict(keep_vars=True).items():
-            if id(t) not in whole:
-                whole[id(t)] = (torch.empty(frozen_shapes[id(t)], dtype=t.dtype, device="meta")
-                                if not frozen_values and id(t) in frozen_shapes
-                                else t.detach().to("cpu" if cpu_offload else t.device, copy=True))
-            result[key] = whole[id(t)]
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in whole:
+            whole[id(t)] = (torch.empty(frozen_shapes[id(t)], dtype=t.dtype, device="meta")
+                            if not frozen_values and id(t) in frozen_shapes
+                            else t.detach().to(device or t.device, copy=True))
+        result[key] = whole[id(t)]
     return result
+
+
+def _gather_split(comm, local: torch.Tensor, split) -> torch.Tensor:
+    """The original parameter from every tensor-parallel rank's slice."""
+    local = local.contiguous()
+    gathered = torch.empty((split.size, local.numel()), dtype=local.dtype, device=local.device)
+    comm.collectives("tp").all_gather(gathered.view(-1), local.view(-1), "checkpoint", label="full state dict")
+    return split.join([g.view(local.shape) for g in gathered])
 
 
 def install_save_pretrained(model: nn.Module, optimizer) -> None:
@@ -96,7 +117,7 @@ def install_save_pretrained(model: nn.Module, optimizer) -> None:
                 write(save_directory, args, state, kwargs)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 status = {"ok": False, "error": describe_error(e)}
-        raise_if_failed(optimizer.comm.all_gather_object(status, "checkpoint"),
+        raise_if_failed(ranks_of(optimizer).all_gather_object(status, "checkpoint"),
                         f"{type(plain).__name__}.save_pretrained to {save_directory}")
 
     plain.save_pretrained = save_pretrained
@@ -114,9 +135,10 @@ def save_pretrained(model: nn.Module, save_directory: PathLike, optimizer, **kwa
                         f"safetensors instead")
     state = full_state_dict(model, optimizer, rank0_only=True)
     status = {"ok": True}
-    if optimizer.comm.rank == 0:
+    ranks = ranks_of(optimizer)
+    if ranks.rank == 0:
         try:
             model.save_pretrained(os.fspath(save_directory), state_dict=state, **kwargs)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             status = {"ok": False, "error": describe_error(e)}
-    raise_if_failed(optimizer.comm.all_gather_object(status, "checkpoint"), f"save_pretrained to {save_directory}")
+    raise_if_failed(ranks.all_gather_object(status, "checkpoint"), f"save_pretrained to {save_directory}")

@@ -2,6 +2,7 @@
 ranges of flattened parameters from the pieces that hold them."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import os
@@ -14,6 +15,7 @@ from .files import digest, read_json
 from .format import (COMPLETE, FORMAT, FORMAT_VERSION, METADATA, TMP_TAG, CheckpointError, InvalidCheckpoint,
                      PathLike, describe_error, is_format_name, rank_file)
 from .schema import check_listing, check_metadata, check_rng
+from .tp_pieces import piece_runs
 
 __all__ = ["Reader", "flat_range", "name_mismatch", "open_checkpoint", "read_rank_json", "verify"]
 
@@ -138,21 +140,39 @@ class Reader(contextlib.ExitStack):
 
     def read_range(self, kind: str, name: str, pieces: list, start: int, numel: int,
                    dtype: torch.dtype) -> torch.Tensor:
-        """Elements [start, start+numel) of flattened parameter `name`, from the pieces
-        that overlap them (see [Note: checkpoint layout])."""
+        """Elements [start, start+numel) of flattened parameter `name` saved without a
+        tensor-parallel split, from the pieces that overlap them (see [Note: checkpoint layout])."""
+        return self.read_runs(kind, name, {"pieces": pieces}, [(start, 0, numel)] if numel else [], numel, dtype)
+
+    def read_runs(self, kind: str, name: str, info: dict, want: list, numel: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The `numel` elements of flattened parameter `name` that `want` names, as runs
+        (original flat start, offset in the result, length), from the saved pieces of `info`
+        that overlap them, whatever tensor-parallel split they were saved with; one slice
+        read per saved piece ([Note: tensor-parallel pieces] in tp_pieces.py)."""
         out = torch.empty(numel, dtype=dtype)
+        saved = piece_runs(info)
+        starts = [r[0] for r in saved]
+        hits: dict = {}  # (rank, piece start, piece numel) -> [(offset in the piece, offset in out, length)]
         covered = 0
-        for rank, p_start, p_numel in pieces:
-            lo, hi = max(start, p_start), min(start + numel, p_start + p_numel)
-            if lo >= hi:
-                continue
-            key = f"{kind}/{name}/{p_start}"
-            piece = self.tensor_slice(rank_file(rank), key, [p_numel])
-            out[lo - start: hi - start] = piece[lo - p_start: hi - p_start]
-            covered += hi - lo
+        for g, at, n in want:
+            i = max(bisect.bisect_right(starts, g) - 1, 0)
+            while i < len(saved) and saved[i][0] < g + n:
+                s_g, s_n, rank, p_start, p_numel, p_off = saved[i]
+                lo, hi = max(g, s_g), min(g + n, s_g + s_n)
+                if lo < hi:
+                    hits.setdefault((rank, p_start, p_numel), []).append((p_off + lo - s_g, at + lo - g, hi - lo))
+                    covered += hi - lo
+                i += 1
         if covered != numel:
-            raise CheckpointError(f"checkpoint {self.path}: elements [{start}, {start + numel}) of {name} are "
-                                  f"not all held by any rank file ({covered} of {numel} found)")
+            raise CheckpointError(f"checkpoint {self.path}: {numel} elements of {name} were asked for, "
+                                  f"{covered} are held by its rank files")
+        for (rank, p_start, p_numel), runs in hits.items():
+            piece = self.tensor_slice(rank_file(rank), f"{kind}/{name}/{p_start}", [p_numel])
+            lo, hi = min(r[0] for r in runs), max(r[0] + r[2] for r in runs)
+            block = piece[lo:hi]  # what this rank needs of the piece, and what lies between
+            for src, dst, n in runs:
+                out[dst:dst + n] = block[src - lo:src - lo + n]
         return out
 
 

@@ -46,6 +46,7 @@ from .format import (
 )
 from .retention import OWNER, owner_record, prune, remove_stale
 from .rng import rng_state
+from .tp_pieces import ranks_of, split_info, splits_of
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,35 @@ __all__ = ["Plan", "Snapshot", "finish", "plan", "take_snapshot", "write_files"]
 
 def _slices_to_write(optimizer) -> tuple[list, list]:
     """This rank's share of the trainable state and of the frozen parameters stage 3 shards:
-    stage 0 replicates the former, so rank 0 alone writes."""
+    stage 0 replicates the former, so (data) rank 0 alone writes it; under tensor
+    parallelism a parameter left unsplit is the same on every tensor-parallel rank, so
+    tensor-parallel rank 0 alone writes it ([Note: tensor-parallel pieces])."""
     if optimizer.comm.topology.replicate_rank != 0:  # hybrid sharding: row 0 writes, the others hold copies
         return [], []
-    frozen = [s for s in frozen_runs(optimizer) if s.numel > 0]
+    splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
+    frozen = [s for s in frozen_runs(optimizer) if s.numel > 0 and tp_rank == 0]  # never split: refused below
     if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
         return [], frozen
-    return [s for s in optimizer.owned_slices() if s.numel > 0], frozen
+    return [s for s in optimizer.owned_slices() if s.numel > 0 and (tp_rank == 0 or s.name in splits)], frozen
+
+
+def _piece(s, splits: dict, tp_rank: int) -> tuple:
+    """One owned slice as the plan exchanges it: its original shape, and for a split
+    parameter the split and the tensor-parallel rank whose slice `start` counts in."""
+    split = splits.get(s.name)
+    shape = list(s.shape) if split is None else split.global_shape(s.shape)
+    return (s.name, s.start, s.numel, shape, s.group, split_info(split), tp_rank)
+
+
+def _refuse_split_frozen(model, optimizer) -> None:
+    """A frozen parameter is saved whole by rank 0 (replicated.safetensors), or as its
+    stage-3 runs without a split description; one the plan split would be one rank's slice."""
+    view = model_view(model, optimizer)
+    frozen = sorted(n for n in splits_of(optimizer) if n in view.replicated or n in view.frozen)
+    if frozen:
+        raise CheckpointError(f"parameters {frozen[:5]} are frozen and split by tensor parallelism: the checkpoint "
+                              f"keeps frozen parameters without their split; leave them out of the tensor-parallel "
+                              f"plan, or make them trainable with lr 0")
 
 
 @dataclass
@@ -74,10 +97,11 @@ class Plan:
     frozen: list = field(default_factory=list)  # this rank's FrozenSlices to write (stage 3)
 
 
-def plan(path: str, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
+def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
     """Step 1: check the arguments and `path` on every rank, make the temporary directory
     (rank 0) and exchange who writes what. Raises the same CheckpointError on every rank."""
-    comm, rank = optimizer.comm, optimizer.comm.rank
+    comm = ranks_of(optimizer)
+    rank = comm.rank
     save_id = uuid.uuid4().hex[:12]
     staging = f"{path}{STAGING_TAG}{save_id}"
     slices: list = []
@@ -86,10 +110,12 @@ def plan(path: str, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
+        _refuse_split_frozen(model, optimizer)
         fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
         slices, frozen = _slices_to_write(optimizer)
+        splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
-                 "pieces": [(s.name, s.start, s.numel, list(s.shape), s.group) for s in slices],
+                 "pieces": [_piece(s, splits, tp_rank) for s in slices],
                  "frozen": [(s.name, s.start, s.numel, list(s.shape), dtype_name(s.dtype)) for s in frozen],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
@@ -157,7 +183,7 @@ def _fresh_copies(slices, full_precision: bool, frozen=()) -> dict:
 def take_snapshot(model, optimizer, agreed: Plan, extra: dict, stage: Optional[Callable] = None) -> Snapshot:
     """Step 2. `stage(tensors) -> tensors` copies the live tensors into buffers the caller
     keeps (an asynchronous save's staging); without it, each is copied fresh."""
-    rank = optimizer.comm.rank
+    rank = ranks_of(optimizer).rank
     full_precision = optimizer.config.compute_dtype == torch.float32
     replicated = meta = None
     view = model_view(model, optimizer) if rank == 0 else None
@@ -244,16 +270,20 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
     cfg = optimizer.config
     params: dict = {}
     for r, st in enumerate(agreed):
-        for name, start, numel, shape, group in st["pieces"]:
+        for name, start, numel, shape, group, split, tp_rank in st["pieces"]:
             p = params.setdefault(name, {"shape": shape, "dtype": dtype_name(cfg.compute_dtype),
                                          "group": group, "pieces": []})
-            p["pieces"].append([r, start, numel])
+            if split is None:
+                p["pieces"].append([r, start, numel])
+            else:  # [Note: tensor-parallel pieces]
+                p["split"] = split
+                p["pieces"].append([r, start, numel, tp_rank])
     frozen: dict = {}
     for r, st in enumerate(agreed):
         for name, start, numel, shape, dtype in st["frozen"]:
             frozen.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})["pieces"].append([r, start, numel])
     for p in [*params.values(), *frozen.values()]:
-        p["pieces"].sort(key=lambda piece: piece[1])
+        p["pieces"].sort(key=lambda piece: (piece[3:], piece[1]))
     scalars = [{} for _ in optimizer.inner.param_groups]
     for st in agreed:  # a rank may own nothing of a group; take the values where they exist
         for gi, values in enumerate(st["scalars"]):
@@ -262,7 +292,7 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "zerodp_version": __version__, "torch_version": torch.__version__,
-        "world_size": optimizer.comm.world_size, "stage": cfg.stage,
+        "world_size": ranks_of(optimizer).world_size, "stage": cfg.stage,
         "compute_dtype": dtype_name(cfg.compute_dtype), "master_dtype": "float32",
         "config": cfg.to_dict(), "model": type(model).__name__, "optimizer": type(optimizer.inner).__name__,
         "param_groups": group_hyperparameters(optimizer), "scalar_states": scalars,
@@ -271,4 +301,6 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
         "params": params, "frozen": frozen,
         "replicated": {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in view.replicated.items()},
         "state_dict_keys": view.keys,
+        # Only under tensor parallelism, so a checkpoint without stays what it always was.
+        **({"tensor_parallel_size": optimizer.comm.topology.tp_size} if optimizer.comm.topology.tp_size > 1 else {}),
     }

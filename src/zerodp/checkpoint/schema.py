@@ -86,27 +86,52 @@ def _check_dtype(path: str, field: str, name) -> None:
 
 def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, held: dict,
                   section: str = "params", element_bytes: int = MASTER_BYTES) -> None:
-    """The pieces of one parameter cover [0, numel) exactly once, from rank files that exist
-    and hold at least their bytes: a forged shape cannot make a reader allocate more than
-    the checkpoint's files hold."""
+    """The pieces of one parameter cover [0, numel) exactly once (of each tensor-parallel
+    rank's slice, for a split parameter: [Note: tensor-parallel pieces] in tp_pieces.py),
+    from rank files that exist and hold at least their bytes: a forged shape cannot make a
+    reader allocate more than the checkpoint's files hold."""
     field = f"{section}[{name!r}]"
     numel = _check_shape(path, f"{field}.shape", info.get("shape"))
     pieces = info.get("pieces")
     if not isinstance(pieces, list):
         raise _bad(path, METADATA, f"{field}.pieces", pieces, "not a list")
-    end = 0
+    size = _check_split(path, field, info)
+    slice_numel = numel // size
+    tp_rank, end = 0, 0
     for piece in pieces:
-        if not (isinstance(piece, list) and len(piece) == 3 and all(_is_int(v) for v in piece)
-                and 0 <= piece[0] < meta["world_size"] and piece[1] == end and piece[2] > 0):
+        width = 3 if size == 1 and "split" not in info else 4
+        if isinstance(piece, list) and len(piece) == 4 and width == 4 and _is_int(piece[3]) \
+                and piece[3] == tp_rank + 1 and end == slice_numel:
+            tp_rank, end = tp_rank + 1, 0  # the next tensor-parallel rank's slice starts
+        if not (isinstance(piece, list) and len(piece) == width and all(_is_int(v) for v in piece)
+                and 0 <= piece[0] < meta["world_size"] and piece[1] == end and piece[2] > 0
+                and (width == 3 or piece[3] == tp_rank)):
+            shown = "" if width == 3 else f", tensor-parallel rank {tp_rank}"
             raise _bad(path, METADATA, f"{field}.pieces", piece,
-                       f"not [rank < world_size {meta['world_size']}, start {end}, numel > 0]")
-        rank, _, n = piece
+                       f"not [rank < world_size {meta['world_size']}, start {end}, numel > 0{shown}]")
+        rank, n = piece[0], piece[2]
         if rank_file(rank) not in files:
             raise _bad(path, METADATA, f"{field}.pieces", piece, f"its {rank_file(rank)} is not listed in {COMPLETE}")
         held[rank] = held.get(rank, 0) + n * element_bytes
         end += n
-    if end != numel:
-        raise _bad(path, METADATA, f"{field}.pieces", pieces, f"they cover {end} elements of the {numel} of its shape")
+    if numel and (end != slice_numel or tp_rank != size - 1):
+        raise _bad(path, METADATA, f"{field}.pieces", pieces, f"they do not cover the {numel} elements of its shape "
+                   f"({size} tensor-parallel slices of {slice_numel})")
+
+
+def _check_split(path: str, field: str, info: dict) -> int:
+    """A split parameter's description: integers that cut its shape evenly. Returns its
+    tensor-parallel size (1 without a split)."""
+    split = info.get("split")
+    if split is None:
+        return 1
+    shape = info["shape"]
+    if not (isinstance(split, dict) and set(split) == {"dim", "parts", "size"}
+            and all(_is_int(v) and v >= 1 for k, v in split.items() if k != "dim")
+            and _is_int(split["dim"]) and 0 <= split["dim"] < len(shape)
+            and shape[split["dim"]] % (split["parts"] * split["size"]) == 0):
+        raise _bad(path, METADATA, f"{field}.split", split, f"not a tensor-parallel split of shape {shape}")
+    return split["size"]
 
 
 def _check_params(path: str, meta: dict, files: dict) -> None:

@@ -32,7 +32,6 @@ from .format import (
     plain_module,
     raise_if_failed,
     rank_json,
-    refuse_tensor_parallel,
     restore_hyperparameters,
     write_replicated,
 )
@@ -40,6 +39,7 @@ from .reader import Reader, flat_range, name_mismatch, open_checkpoint, read_ran
 from .retention import by_completion
 from .rng import set_rng_state
 from .schema import check_hyperparameters
+from .tp_pieces import local_runs, ranks_of, splits_of
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +65,16 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
     load first waits for the one in flight and raises its failure.
     """
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
-    refuse_tensor_parallel(optimizer, "zerodp.save")
     background.wait_in_flight(optimizer)
     path = os.path.abspath(os.fspath(path))
-    agreed = saving.plan(path, optimizer, keep_last, extra)
+    agreed = saving.plan(path, model, optimizer, keep_last, extra)
     if asynchronous:
         snap = saving.take_snapshot(model, optimizer, agreed, extra, stage=background.staging(optimizer).stage)
         return background.start(optimizer, path, agreed.tmp, snap, keep_last)
     snap = saving.take_snapshot(model, optimizer, agreed, extra)
-    saving.finish(optimizer.comm, path, agreed.tmp, saving.write_status(agreed.tmp, snap), keep_last)
-    log.info("rank %d: saved checkpoint %s (step %d)", optimizer.comm.rank, path, optimizer.step_count)
+    ranks = ranks_of(optimizer)
+    saving.finish(ranks, path, agreed.tmp, saving.write_status(agreed.tmp, snap), keep_last)
+    log.info("rank %d: saved checkpoint %s (step %d)", ranks.rank, path, optimizer.step_count)
     return path
 
 
@@ -98,9 +98,8 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
     CheckpointError, on every rank and before changing anything, if the checkpoint is
     missing, incomplete, damaged or of another model (see [Note: validate, then write])."""
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
-    refuse_tensor_parallel(optimizer, "zerodp.load")
     background.wait_in_flight(optimizer)
-    comm = optimizer.comm
+    comm = ranks_of(optimizer)
     loaded, meta = None, None
     try:
         path, meta, files = open_checkpoint(path)
@@ -137,8 +136,9 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     found.update({k: v["shape"] for k, v in [*meta["replicated"].items(), *meta["frozen"].items()]})
     # Trainable shapes from the owned slices; a parameter this rank owns nothing of is checked
     # by the ranks that own it, and the exchange makes every rank raise.
+    splits = splits_of(optimizer)
     for s in slices:
-        expected[s.name] = list(s.shape)
+        expected[s.name] = list(s.shape) if s.name not in splits else splits[s.name].global_shape(s.shape)
         if s.name in meta["params"]:
             found[s.name] = meta["params"][s.name]["shape"]
     problem = name_mismatch(path, "checkpoint", expected, found)
@@ -159,15 +159,17 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
         raise CheckpointError(f"checkpoint {path} holds optimizer states {meta['state_keys']}; the optimizer "
                               f"has {sorted(have_states)}")
     check_hyperparameters(path, meta["param_groups"], optimizer.inner.param_groups)
+    splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
     masters, states = [], []
     for s in slices:
         if s.numel == 0:
             continue
-        pieces = meta["params"][s.name]["pieces"]
-        masters.append((s, reader.read_range("master", s.name, pieces, s.start, s.numel, torch.float32)))
+        info = meta["params"][s.name]
+        # By the original parameter's coordinates: [Note: tensor-parallel pieces].
+        want = local_runs(info["shape"], splits.get(s.name), tp_rank, s.start, s.numel)
+        masters.append((s, reader.read_runs("master", s.name, info, want, s.numel, torch.float32)))
         for key in meta["state_keys"]:
-            states.append((s, key, reader.read_range(f"state/{key}", s.name, pieces, s.start, s.numel,
-                                                     torch.float32)))
+            states.append((s, key, reader.read_runs(f"state/{key}", s.name, info, want, s.numel, torch.float32)))
     # Shapes from the file itself, against the model's: copy_ would broadcast a [1] silently.
     replicated = {}
     for k, t in view.replicated.items():
@@ -188,10 +190,12 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
             sl = reader.tensor_slice(REPLICATED, s.name, list(s.shape))
             frozen.append((s, sl[:].reshape(-1)[s.start: s.start + s.numel] if len(s.shape) == 0
                            else flat_range(reader.file(REPLICATED), s.name, list(s.shape), s.start, s.numel)))
-    rank = optimizer.comm.rank
+    ranks = ranks_of(optimizer)
     rng = None
-    if meta["world_size"] == optimizer.comm.world_size:
-        rng = read_rank_json(path, rank_json(rank), files)
+    # A rank's random state is its place's: the same world split the same way.
+    same_tp = meta.get("tensor_parallel_size", 1) == optimizer.comm.topology.tp_size
+    if meta["world_size"] == ranks.world_size and same_tp:
+        rng = read_rank_json(path, rank_json(ranks.rank), files)
     return _Loaded(masters, states, replicated, view.replicated, rng, frozen)
 
 
@@ -224,9 +228,10 @@ def _apply(meta: dict, loaded: _Loaded, optimizer) -> None:
         s.write(value)
     if loaded.rng is not None:
         set_rng_state(loaded.rng)
-    elif optimizer.comm.rank == 0:
-        log.warning("checkpoint saved by %d ranks, loaded by %d: RNG states are not restored",
-                    meta["world_size"], optimizer.comm.world_size)
+    elif ranks_of(optimizer).rank == 0:
+        log.warning("checkpoint saved by %d ranks (tensor-parallel size %d), loaded by %d (%d): RNG states are not "
+                    "restored", meta["world_size"], meta.get("tensor_parallel_size", 1), ranks_of(optimizer).world_size,
+                    optimizer.comm.topology.tp_size)
     optimizer.sync_params_from_master("checkpoint")
 
 

@@ -263,10 +263,20 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits, None
+        loss = self.loss_function(logits=logits, labels=targets, vocab_size=self.config.vocab_size,
+                                  shift_labels=targets)
+        return logits, loss
+
+    def loss_function(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
+                      shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The loss of `forward`, with the signature of transformers' loss functions (the
+        targets come already shifted, as `shift_labels`), so that one taking its place on
+        an instance works here as on a Hugging Face model (e.g. the vocabulary-parallel
+        loss of zerodp.tensor_parallel.keep_logits_split)."""
+        target = labels if shift_labels is None else shift_labels
         # Softmax cross-entropy in fp32: in bf16/fp16 the log-sum-exp over the
         # vocabulary loses the precision that small loss differences need.
-        loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
-        return logits, loss
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
 
     @torch.no_grad()
     def generate(

@@ -44,14 +44,18 @@ class Comm:
         self._strategies: dict = {}
 
     def side_channel(self, timeout_s: float) -> "Comm":
-        """A Comm over a new gloo group of the same data-parallel ranks, on the CPU, with a
-        ledger of its own: for collectives a background thread issues while training's run
-        (gloo pairs the collectives of one group by their order, so the two must not share
-        one). Collective: every rank of the group calls it. A world of one needs no group."""
+        """A Comm over a new gloo group of the same data-parallel ranks (under tensor
+        parallelism, of every rank, in global order), on the CPU, with a ledger of its own:
+        for collectives a background thread issues while training's run (gloo pairs the
+        collectives of one group by their order, so the two must not share one). Collective:
+        every rank of the group calls it. A world of one needs no group."""
         group = self.topology.data_group
-        if group is None:
+        if self.topology.tp_size > 1:  # a checkpoint spans the tensor-parallel ranks too: the whole world
+            ranks = list(range(dist.get_world_size()))
+        elif group is None:
             return Comm(topology=self.topology, ledger=CommLedger())
-        ranks = dist.get_process_group_ranks(group)
+        else:
+            ranks = dist.get_process_group_ranks(group)
         side = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo",
                               use_local_synchronization=len(ranks) != dist.get_world_size())
         return Comm(side, device=torch.device("cpu"))
@@ -96,13 +100,15 @@ class Comm:
         if self.topology.size(axis) > 1:
             self._run(record, self.topology.group(axis), dist.broadcast, tensor, src=self._peer(axis, src))
 
-    def all_gather_object(self, obj, phase: str = "control", label: str = "") -> list:
-        """Every data-parallel rank's small Python object (agreement, checkpoint metadata)."""
-        record = self.ledger.record("all_gather_object", 0, 0, phase, label=label)
-        if self.world_size == 1:
+    def all_gather_object(self, obj, phase: str = "control", label: str = "", axis: str = "data") -> list:
+        """Every rank's small Python object (agreement, checkpoint metadata) on `axis`: the
+        data-parallel ranks, or the tensor-parallel group ("tp")."""
+        record = self.ledger.record("all_gather_object", 0, 0, phase, axis, label=label)
+        size = self.topology.size(axis)
+        if size == 1:
             return [obj]
-        out = [None] * self.world_size
-        self._run(record, self.topology.data_group, dist.all_gather_object, out, obj)
+        out = [None] * size
+        self._run(record, self.topology.group(axis), dist.all_gather_object, out, obj)
         return out
 
     def barrier(self, phase: str = "control", label: str = "") -> None:

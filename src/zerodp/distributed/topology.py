@@ -108,6 +108,16 @@ class Topology:
         """This process's rank among the data-parallel ranks (replicate-major)."""
         return self.replicate_rank * self.shard_size + self.shard_rank
 
+    @property
+    def process_rank(self) -> int:
+        """This process's place among every process, data- x tensor-parallel: Megatron's
+        order ([Note: tensor-parallel axis]); the data-parallel rank without tensor parallelism."""
+        return self.rank * self.tp_size + self.tp_rank
+
+    @property
+    def process_count(self) -> int:
+        return self.world_size * self.tp_size
+
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group,
                 "node": self.node_group, "cross_node": self.cross_node_group, "tp": self.tp_group}[_axis(axis)]
@@ -143,7 +153,7 @@ class Topology:
 
     @classmethod
     def build_tensor_parallel(cls, tp_size: int, device: Optional[torch.device] = None,
-                              timeout_s: Optional[float] = None) -> "Topology":
+                              timeout_s: Optional[float] = None, replicate_size: int = 1) -> "Topology":
         """[Note: tensor-parallel axis]
         The world as data-parallel x tensor-parallel, Megatron's order: a tensor-parallel
         group is `tp_size` consecutive ranks (torchrun numbers ranks node by node, so it
@@ -151,13 +161,16 @@ class Topology:
         group is the ranks with this rank's place in every tensor-parallel group. The
         data-parallel mesh (and with it ZeRO's shard axis) is built over that group; the
         ``tp`` axis carries the tensor-parallel layers' all-reduces and all-gathers and Pa's
-        checkpoint gathers. Raises ConfigError if tp_size does not divide the world."""
+        checkpoint gathers. With `replicate_size` rows the data-parallel ranks are a replicate
+        x shard mesh (hybrid sharding), rows of consecutive data-parallel ranks: with
+        tp_size dividing the ranks per node, a row of ranks_per_node / tp_size data-parallel
+        ranks is one node's. Raises ConfigError if tp_size does not divide the world."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world % tp_size:
             raise ConfigError(f"Config.tensor_parallel_size={tp_size} does not divide the world size {world}: "
                               f"use a divisor of {world}")
         if tp_size == 1:
-            return cls.build(None, device, timeout_s=timeout_s)
+            return cls.build(None, device, replicate_size, timeout_s=timeout_s)
         me = dist.get_rank()
         data_rank, tp_rank = divmod(me, tp_size)
         tp_ranks = list(range(data_rank * tp_size, (data_rank + 1) * tp_size))
@@ -166,12 +179,15 @@ class Topology:
         tp_group = _subgroup(world_group, tp_ranks, timeout_s)
         data_group = _subgroup(world_group, data_ranks, timeout_s) if len(data_ranks) > 1 else None
         if data_group is None:  # one data-parallel rank: ZeRO shards over nothing
+            if replicate_size != 1:
+                raise ConfigError(f"Config.replicate_size={replicate_size}: tensor_parallel_size={tp_size} leaves "
+                                  f"one data-parallel rank, nothing to replicate over: use replicate_size=1")
             backend = dist.get_backend()
             if device is None:
                 device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
             base = cls(None, torch.device(device), 1, 0, 1, 0, None, None, None, backend, timeout_s)
         else:
-            base = cls.build(data_group, device)
+            base = cls.build(data_group, device, replicate_size)
             base = dataclasses.replace(base, timeout_s=timeout_s)
         return dataclasses.replace(base, tp_size=tp_size, tp_rank=tp_rank, tp_group=tp_group)
 

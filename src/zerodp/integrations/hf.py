@@ -32,8 +32,8 @@ trainer state, RNG states, checkpoint rotation) to the Trainer:
   compute one model on one batch, so the data loaders hand out batches by data-parallel
   rank and size (each group reads what one rank of a DDP run of its size reads), the loss
   is scaled and token counts divided by the data-parallel size, and evaluation gathers one
-  copy of each group's outputs. zerodp checkpoints do not hold tensor-parallel slices yet:
-  `save_strategy` must be "no".
+  copy of each group's outputs. Its checkpoints are zerodp's under tensor parallelism
+  (every process takes part in the staging and commit barriers).
 
 Mixed precision comes from `TrainingArguments(bf16=True)` / `fp16=True` (mapped to
 Config.mixed_precision); DeepSpeed, FSDP and torch.compile are refused.
@@ -52,12 +52,13 @@ import torch
 import transformers
 from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 from accelerate.utils import gather_object, recursively_apply
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..api import initialize
 from ..checkpoint import AsyncSave, full_state_dict, load, save, wait_for_saves
 from ..checkpoint.files import fsync
 from ..checkpoint.format import COMPLETE
+from ..checkpoint.tp_pieces import ranks_of
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
 
@@ -119,10 +120,6 @@ class ZeroTrainerMixin:
         if world % tp:
             raise ConfigError(f"zerodp_config.tensor_parallel_size={tp} does not divide the {world} processes of "
                               f"this run: launch a multiple of {tp} processes, or choose a size that divides {world}")
-        if self.args.save_strategy != SaveStrategy.NO:
-            raise ConfigError(f"zerodp_config.tensor_parallel_size={tp}: zerodp's checkpoints do not hold "
-                              f"tensor-parallel slices yet, so the Trainer could not save one: set "
-                              f"TrainingArguments(save_strategy='no') (save_strategy={self.args.save_strategy!r})")
 
     # -- tensor parallelism: one batch per tensor-parallel group -----------------------------------
     def get_tp_size(self) -> int:
@@ -260,11 +257,11 @@ class ZeroTrainerMixin:
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final, staging = os.path.join(run_dir, name), os.path.join(run_dir, STAGING_DIR, name)
-        comm = self.optimizer.comm
+        comm = ranks_of(self.optimizer)  # every process: under tensor parallelism more than the data-parallel ranks
         wait_for_saves()  # the previous folder is in place before anything is staged again
         if self.args.should_save and os.path.exists(staging):  # left by a run killed while saving it
             shutil.rmtree(staging)
-        comm.barrier(label="Trainer checkpoint staging")
+        comm.all_gather_object(None, label="Trainer checkpoint staging")  # a barrier
         self._staging = True
         try:
             super()._save_checkpoint(model, trial)
@@ -274,7 +271,7 @@ class ZeroTrainerMixin:
         renamed = best is not None and os.path.dirname(best) == os.path.dirname(staging)  # the staging name, seen
         if renamed:
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
-        comm.barrier(label="Trainer checkpoint written")
+        comm.all_gather_object(None, label="Trainer checkpoint written")
         in_flight, self._in_flight = self._in_flight, None
         if self.args.should_save:
             if renamed:
@@ -283,7 +280,7 @@ class ZeroTrainerMixin:
                 in_flight.add_done_callback(lambda _: self._commit_checkpoint(staging, final, run_dir))
             else:
                 self._commit_checkpoint(staging, final, run_dir)
-        comm.barrier(label="Trainer checkpoint committed")
+        comm.all_gather_object(None, label="Trainer checkpoint committed")
 
     def _commit_checkpoint(self, staging: str, final: str, run_dir: str) -> None:
         """Rename the staged folder into place (a folder of the same step from an earlier run
@@ -335,7 +332,7 @@ class ZeroTrainerMixin:
         its folder into place (a done-callback on rank 0 only)."""
         wait_for_saves()
         if self.zerodp_async_save and isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.comm.barrier(label="Trainer checkpoint in place")
+            ranks_of(self.optimizer).all_gather_object(None, label="Trainer checkpoint in place")  # a barrier
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):

@@ -159,7 +159,8 @@ def open_placement(kind: str, comm, offload_dir=None, *, files: Optional[Offload
         return Placement("host", pinned=comm.device.type == "cuda")
     opened, placement, problem = None, None, None
     try:
-        opened = files if files is not None else OffloadDir(offload_dir, comm.rank)
+        # By the process's rank: the tensor-parallel ranks of one data-parallel rank share its number.
+        opened = files if files is not None else OffloadDir(offload_dir, comm.topology.process_rank)
         arenas = {purpose: opened.arena(nbytes) for purpose, nbytes in reserve}
         placement = Placement("disk", files=opened, arenas=arenas)
     except Exception as e:  # noqa: BLE001 - raised on every rank below

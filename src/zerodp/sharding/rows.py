@@ -51,9 +51,9 @@ class RowSharding:
         tp = self.topology.tp_size
         if tp > 1:
             raise RuntimeError(f"{what} with Config.tensor_parallel_size={tp} is not supported: its DTensors span "
-                               f"the data-parallel ranks only. Stages 0-2 give each rank's slices as plain tensors "
-                               f"(model.state_dict()); save those per tensor-parallel rank (the weights only: the "
-                               f"optimizer state has no checkpoint under tensor parallelism yet)")
+                               f"the data-parallel ranks only. zerodp.save / zerodp.load checkpoint the model and "
+                               f"optimizer under tensor parallelism (loadable at any layout), and "
+                               f"zerodp.full_state_dict gives the whole model")
 
     def row_range(self, shape: Sequence[int], rank: Optional[int] = None) -> tuple[int, int]:
         """The elements [lo, hi) of the flattened parameter that `rank` holds as a DTensor."""

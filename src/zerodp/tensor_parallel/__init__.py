@@ -4,7 +4,7 @@ and ZeRO-R's partitioned activation checkpoints (Pa, Pa+cpu). docs/tensor_parall
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -13,28 +13,37 @@ from ..policies import TensorParallelPolicy
 from ..distributed import Comm
 from .activations import CheckpointStore
 from .inputs import InputFingerprint
-from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding, gather_from_tp
+from .loss import VocabParallelCausalLMLoss, keep_logits_split, vocab_parallel_cross_entropy
 from .plan import apply_tensor_parallel, plan_of
+from .split import TensorSplit
 
 __all__ = ["CheckpointStore", "ColumnParallelLinear", "InputFingerprint", "RegionEntry", "RowParallelLinear",
-           "TensorParallelModel", "VocabParallelEmbedding", "apply_tensor_parallel", "parallelize", "plan_of"]
+           "TensorParallelModel", "TensorSplit", "VocabParallelCausalLMLoss", "VocabParallelEmbedding",
+           "apply_tensor_parallel", "gather_from_tp", "keep_logits_split", "parallelize", "plan_of",
+           "vocab_parallel_cross_entropy"]
 
 
 @dataclass(frozen=True)
 class TensorParallelModel:
-    """What `parallelize` did to a model: the parameters it split over the ``tp`` axis (by
-    name; the rest are replicated there), the checkpoint store, with Pa or Pa+cpu, and the
-    input check ([Note: tensor-parallel input fingerprint]) under tensor parallelism."""
+    """What `parallelize` did to a model: how it split each parameter it split over the ``tp``
+    axis (by name; the rest are replicated there: [Note: tensor-parallel split]), the
+    checkpoint store, with Pa or Pa+cpu, and the input check ([Note: tensor-parallel input
+    fingerprint]) under tensor parallelism."""
 
-    split_names: frozenset
+    splits: Mapping[str, TensorSplit]
     checkpoints: Optional[CheckpointStore]
     inputs: Optional[InputFingerprint] = None
+
+    @property
+    def split_names(self) -> frozenset:
+        return frozenset(self.splits)
 
 
 def parallelize(model: nn.Module, comm: Comm, policy: TensorParallelPolicy) -> Optional[TensorParallelModel]:
     """Split `model` in place by its plan (tensor_parallel_size > 1) and install the checkpoint
     store (partition_activations / activations_on_host); None when neither is asked for."""
-    split, inputs = frozenset(), None
+    split, inputs = {}, None
     if policy.size > 1:
         _same_on_every_tp_rank(model, comm)
         split = apply_tensor_parallel(model, comm)

@@ -32,6 +32,7 @@ from ..config import ConfigError
 from ..distributed import Comm
 from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabParallelEmbedding
 from .rng import SplitRegionRNG
+from .split import TensorSplit
 
 __all__ = ["plan_of", "apply_tensor_parallel"]
 
@@ -108,15 +109,17 @@ class _Splitter:
     def apply(self) -> None:
         with torch.no_grad():
             for p in self.params:
-                dim, parts = self.cut[id(p)]
-                packed = p.data.unflatten(dim, (parts, p.shape[dim] // parts))
-                mine = packed.chunk(self.size, dim=dim + 1)[self.rank]
-                p.data = mine.flatten(dim, dim + 1).contiguous().clone()
+                p.data = self.split_of(p).cut(p.data, self.rank).contiguous().clone()
+
+    def split_of(self, p: nn.Parameter) -> TensorSplit:
+        dim, parts = self.cut[id(p)]
+        return TensorSplit(dim, parts, self.size)
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | None = None) -> frozenset[str]:
-    """Split `model` in place over the ``tp`` axis of `comm`'s topology; returns the names of
-    the parameters now split (the others are replicated over the tensor-parallel ranks)."""
+def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | None = None) -> dict[str, TensorSplit]:
+    """Split `model` in place over the ``tp`` axis of `comm`'s topology; returns how each
+    parameter now split was cut, by name (the others are replicated over the tensor-parallel
+    ranks)."""
     if model in _SPLIT:
         raise ConfigError(f"this {type(model).__name__} was already split for tensor parallelism: build a new model")
     own = getattr(model, "tensor_parallel_plan", None) is not None or plan is not None
@@ -150,7 +153,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: dict[str, str] | N
     model.register_forward_pre_hook(lambda module, args: rng.close())
     model.register_forward_hook(lambda module, args, output: rng.close(), always_call=True)
     _SPLIT.add(model)
-    return frozenset(n for n, p in model.named_parameters() if id(p) in splitter.cut)
+    return {n: splitter.split_of(p) for n, p in model.named_parameters() if id(p) in splitter.cut}
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:

@@ -1,0 +1,98 @@
+"""Checkpoints under tensor parallelism: the ranks a checkpoint spans, and pieces of split
+parameters read by the original parameter's coordinates.
+
+[Note: tensor-parallel pieces]
+Under tensor parallelism (DP x TP = a x b) the checkpoint is still the one of [Note:
+checkpoint layout]: one rank file per process (rank = data rank * b + tensor-parallel rank,
+Megatron's order: [Note: tensor-parallel axis] in distributed/topology.py), and in
+metadata.json every parameter under its model name with its *original* shape, the shape a
+one-process model has. What changes:
+
+- A parameter the tensor-parallel plan did not split (a norm, a row-parallel bias) is the
+  same on every tensor-parallel rank; only tensor-parallel rank 0's owners write it, with
+  plain pieces [rank, start, numel] of the original parameter: written once.
+- A split parameter gains `"split": {"dim", "parts", "size"}` ([Note: tensor-parallel
+  split] in tensor_parallel/split.py) and pieces [rank, start, numel, tp_rank]: a range of
+  the flattened slice of tensor-parallel rank `tp_rank`, as its owner holds it. Every
+  owner writes its own range in parallel; nothing is gathered. The split is an affine map,
+  so the pieces are the original parameter by global coordinates: fused projections (GPT-2's
+  q, k, v) come back in the model's own packed order, whole, and nothing is padded.
+- Reading: a rank wants elements of its own slice (or of the whole parameter, at TP 1);
+  both that and every saved piece are turned into runs of the original flattened parameter,
+  and the overlaps are read with one slice per saved piece (`Reader.read_runs`). So any
+  layout c x d at any stage loads any a x b checkpoint, including one process, with no
+  conversion step, and `consolidate` gives the original model's state dict.
+
+Checkpoints written without tensor parallelism have no "split" and 3-element pieces: read
+as before, and into a tensor-parallel model too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from ..tensor_parallel.split import TensorSplit
+
+__all__ = ["Ranks", "local_runs", "piece_runs", "ranks_of", "saved_split", "split_info", "splits_of"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Every process a checkpoint spans, in global order: the data-parallel ranks of every
+    tensor-parallel rank. `rank` names this process's files."""
+
+    comm: object  # zerodp.distributed.Comm
+    rank: int
+    world_size: int
+
+    def all_gather_object(self, obj, phase: str = "control", label: str = "") -> list:
+        """Every process's object, in global rank order: over the tensor-parallel group,
+        then its result over the data-parallel ranks."""
+        t = self.comm.topology
+        if t.tp_size == 1:
+            return self.comm.all_gather_object(obj, phase, label=label)
+        group = self.comm.all_gather_object(obj, phase, label=label, axis="tp")
+        return [o for g in self.comm.all_gather_object(group, phase, label=label) for o in g]
+
+
+def ranks_of(optimizer) -> Ranks:
+    comm = optimizer.comm
+    return Ranks(comm, comm.topology.process_rank, comm.topology.process_count)
+
+
+def splits_of(optimizer) -> Mapping[str, TensorSplit]:
+    """How the model's tensor parallelism cut each parameter it split, by name ({} without)."""
+    tp = getattr(optimizer, "tensor_parallel", None)
+    return tp.splits if tp is not None else {}
+
+
+def split_info(split: Optional[TensorSplit]) -> Optional[dict]:
+    return None if split is None else {"dim": split.dim, "parts": split.parts, "size": split.size}
+
+
+def saved_split(info: dict) -> Optional[TensorSplit]:
+    s = info.get("split")
+    return None if s is None else TensorSplit(s["dim"], s["parts"], s["size"])
+
+
+def local_runs(shape, split: Optional[TensorSplit], tp_rank: int, start: int, numel: int) -> list:
+    """Elements [start, start+numel) of this rank's flattened parameter (its slice when
+    `split`) as runs (original flat start, offset in the range, length)."""
+    if split is None:
+        return [(start, 0, numel)] if numel else []
+    return split.runs(shape, tp_rank, start, numel)
+
+
+def piece_runs(info: dict) -> list:
+    """Every saved piece of one parameter as runs of the original flattened parameter:
+    (original flat start, length, rank, piece start, piece numel, offset in the piece),
+    sorted by where they start."""
+    split = saved_split(info)
+    out = []
+    for piece in info["pieces"]:
+        rank, start, numel = piece[:3]
+        tp_rank = piece[3] if split is not None else 0
+        for g, off, n in local_runs(info.get("shape"), split, tp_rank, start, numel):
+            out.append((g, n, rank, start, numel, off))
+    out.sort()
+    return out

@@ -1,0 +1,143 @@
+"""Checkpoints under tensor parallelism ([Note: tensor-parallel pieces] in
+checkpoint/tp_pieces.py): saved at DP x TP = 2 x 2 stage 3 and loaded at 4 x 1 stage 2,
+1 x 2 stage 1 and 1 x 1 stage 0, with SGD with momentum and with AdamW. Loading gives the
+saved state exactly (weights, fp32 masters, every optimizer state, compared bit for bit by
+saving again at the new layout); training on matches one process's uninterrupted run within
+the rounding bounds of [Note: rounding bounds of the tensor-parallel tests] (tests/tp_slices.py);
+`consolidate` gives the one-process model's state dict; a save killed by SIGKILL leaves the
+previous checkpoint the newest and whole. Cases: tp_checkpoint_cases.py."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from harness import run_world
+from tp_cases import GPT_CFG, OPTIMIZERS, STEPS, reference
+from tp_checkpoint_cases import SAVE_DP, SAVE_TP, killed_while_saving, resume_case, save_case
+from tp_slices import CHAIN_ROUNDING, adamw_bound, sgd_bound
+
+import zerodp
+from zerodp.checkpoint.format import COMPLETE, METADATA
+from zerodp.checkpoint.reader import Reader, open_checkpoint
+from zerodp.demo.models import GPT
+
+# (world size, tensor-parallel size, stage) of each load
+LOADS = {"4x1 stage 2": (4, 1, 2), "1x2 stage 1": (2, 2, 1), "1x1 stage 0": (1, 1, 0)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pool):
+    root = str(tmp_path_factory.mktemp("tp_ckpt"))
+    out = {"root": root}
+    for opt_name in OPTIMIZERS:
+        out[opt_name] = {"saved": pool.run(4, save_case, root, opt_name, timeout_s=300)}
+        for label, (world, tp, stage) in LOADS.items():
+            out[opt_name][label] = pool.run(world, resume_case, root, opt_name, tp, stage, timeout_s=300)
+    return out
+
+
+def whole_state(path: str) -> dict:
+    """Every saved tensor of a checkpoint by its original coordinates, read in one process:
+    (kind, parameter) -> flat tensor, for the master, the compute weights and every state."""
+    path, meta, files = open_checkpoint(path)
+    out = {}
+    with Reader(path, files) as reader:
+        for name, info in meta["params"].items():
+            numel = math.prod(info["shape"])
+            for kind in ["master"] + [f"state/{k}" for k in meta["state_keys"]]:
+                out[(kind, name)] = reader.read_runs(kind, name, info, [(0, 0, numel)], numel, torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("load", list(LOADS))
+def test_a_2x2_checkpoint_loads_exactly_at_another_layout(runs, opt_name, load):
+    saved = runs[opt_name]["saved"][0]
+    resumed = runs[opt_name][load][0]
+    # The weights as loaded are the weights as saved, bit for bit, in the original shapes.
+    assert resumed["loaded"].keys() == saved["full"].keys()
+    for k, v in saved["full"].items():
+        assert torch.equal(resumed["loaded"][k], v), k
+    # Saving again at the new layout writes the very same state: masters and every optimizer
+    # state, element by element, though every piece is cut another way.
+    before, after = whole_state(saved["path"]), whole_state(resumed["resaved"])
+    assert before.keys() == after.keys()
+    assert any(kind.startswith("state/") for kind, _ in before)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert resumed["step_count"] == STEPS
+    # A full state dict given to load_pretrained lands in every rank's slice exactly.
+    assert all(r["pretrained_equal"] for r in runs[opt_name][load])
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("load", list(LOADS))
+def test_training_on_matches_one_uninterrupted_process(runs, opt_name, load):
+    ref = reference("gpt", opt_name, SAVE_DP)
+    saved, resumed = runs[opt_name]["saved"], runs[opt_name][load]
+    # The first loss, averaged over the data-parallel ranks, comes from the same weights and
+    # global batch as the reference's: the forward's rounding (step 2 of the note) on
+    # magnitudes of the loss's size.
+    first = sum(r["losses"][0] for r in saved[::SAVE_TP]) / SAVE_DP
+    assert abs(first - ref["losses"][0]) <= CHAIN_ROUNDING * (1 + abs(ref["losses"][0]))
+    final = resumed[0]["final"]
+    lr = OPTIMIZERS[opt_name][1]["lr"]
+    for name, want in ref["params"].items():
+        got = final[name]
+        diff = (got - want).abs() / (1 + want.abs())
+        if opt_name == "sgd":
+            bound = sgd_bound(lr, OPTIMIZERS["sgd"][1]["momentum"], ref["grad_max"], clipped_numel=ref["numel"])
+        else:
+            bound = adamw_bound(lr, [g[name] for g in ref["grads"]], ref["grad_max"], clipped_numel=ref["numel"])
+        assert bool((diff <= bound).all()), (name, float((diff - bound).max()))
+    # Every tensor-parallel rank of a group computed the same loss.
+    _, tp, _ = LOADS[load]
+    for r, res in enumerate(resumed):
+        assert res["losses"] == resumed[r - r % tp]["losses"], r
+
+
+def test_the_checkpoint_is_the_one_process_model(runs):
+    """The format: original names and shapes, split parameters described and written by each
+    tensor-parallel rank, replicated ones once; `consolidate` loads into a plain GPT."""
+    path = runs["adamw"]["saved"][0]["path"]
+    meta = json.load(open(os.path.join(path, METADATA)))
+    assert meta["world_size"] == 4 and meta["tensor_parallel_size"] == 2
+    plain = GPT(GPT_CFG)
+    shapes = {n: list(p.shape) for n, p in plain.named_parameters()}
+    assert {n: info["shape"] for n, info in meta["params"].items()} == shapes
+    qkv = meta["params"]["transformer.h.0.attn.c_attn.weight"]  # GPT-2's fused q, k, v: each split alone
+    assert qkv["split"] == {"dim": 0, "parts": 3, "size": 2}
+    assert {piece[3] for piece in qkv["pieces"]} == {0, 1}
+    assert meta["params"]["transformer.h.0.mlp.c_proj.weight"]["split"] == {"dim": 1, "parts": 1, "size": 2}
+    norm = meta["params"]["transformer.h.0.ln_1.weight"]
+    assert "split" not in norm and {piece[0] % 2 for piece in norm["pieces"]} == {0}  # tensor-parallel rank 0 only
+    sd = zerodp.consolidate(path)
+    plain.load_state_dict(sd, strict=True)
+    for k, v in runs["adamw"]["saved"][0]["full"].items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_an_asynchronous_save_writes_the_same_files(runs):
+    for opt_name in OPTIMIZERS:
+        saved = runs[opt_name]["saved"][0]
+        sync, background = (json.load(open(os.path.join(p, COMPLETE)))["files"]
+                            for p in (saved["path"], saved["async"]))
+        # rank{r}.safetensors and .json of the 4 ranks, metadata.json, replicated.safetensors
+        assert sync == background and len(sync) == 2 * 4 + 2, opt_name
+
+
+def test_a_save_killed_under_tensor_parallelism_leaves_the_previous_one(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    with pytest.raises(Exception, match="SIGKILL|exited without a result"):
+        run_world(4, killed_while_saving, str(root), timeout_s=240)
+    names = sorted(os.listdir(root))
+    unfinished = [n for n in names if n.startswith("step2.tmp-")]
+    assert "step1" in names and "step2" not in names and len(unfinished) == 1, names
+    assert not os.path.exists(root / unfinished[0] / COMPLETE)
+    assert zerodp.latest(root) == str(root / "step1")
+    at_step1 = torch.load(tmp_path / "at_step1.pt")
+    consolidated = zerodp.consolidate(root / "step1", dtype=None)
+    for k, v in at_step1.items():
+        assert torch.equal(consolidated[k], v), k

@@ -1,0 +1,101 @@
+"""Checkpoints under tensor parallelism (test_tp_checkpoint.py): a run at DP x TP = 2 x 2,
+stage 3, saved after its first step, loaded at 4 x 1 stage 2, 1 x 2 stage 1 and 1 x 1
+stage 0, each saving again at once (for a bitwise comparison of the state) and training on;
+a save cut by SIGKILL. The model, batches and optimizers are tp_cases'; the one-process
+reference is tp_cases.reference, run in the test's own process."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+import zerodp
+from tp_cases import BATCH, CLIP, STEPS, build, global_batch, loss_of, make_optimizer
+from zerodp.checkpoint import files as ckpt_files
+
+SAVE_DP, SAVE_TP, SAVE_STAGE = 2, 2, 3
+GLOBAL = SAVE_DP * BATCH  # sequences per step, whatever the layout
+
+
+def _initialize(seed: int, opt_name: str, tp: int, stage: int):
+    model = build("gpt", seed=seed)
+    cls, kwargs = make_optimizer(opt_name)
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, **({"unit_min_params": 1000} if stage == 3 else {}))
+    return zerodp.initialize(model, cls, cfg, **kwargs)
+
+
+def _train(model, opt, steps, dp: int, dp_rank: int) -> list:
+    """tp_cases' global batches, this data-parallel rank's share of each."""
+    per_rank, losses = GLOBAL // dp, []
+    for step in steps:
+        ids = global_batch(step, SAVE_DP)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        loss = loss_of("gpt", model, ids)
+        opt.backward(loss)
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def save_case(rank: int, world_size: int, root: str, opt_name: str) -> dict:
+    """2 x 2 stage 3: the first step, then `root/<opt_name>`, and the whole model then."""
+    assert world_size == SAVE_DP * SAVE_TP
+    # Every rank seeded differently: training starts from rank 0's weights, the reference's (seed 0).
+    model, opt = _initialize(rank, opt_name, SAVE_TP, SAVE_STAGE)
+    losses = _train(model, opt, [0], SAVE_DP, opt.comm.rank)
+    path = zerodp.save(os.path.join(root, opt_name), model, opt, data_position=1)
+    # The same save in the background (its channel spans all 4 ranks): the same files.
+    background = zerodp.save(os.path.join(root, f"{opt_name}-async"), model, opt, asynchronous=True,
+                             data_position=1).wait()
+    full = zerodp.full_state_dict(model, opt, rank0_only=True)
+    return {"losses": losses, "path": path, "async": background, "full": full if rank == 0 else None}
+
+
+def resume_case(rank: int, world_size: int, root: str, opt_name: str, tp: int, stage: int) -> dict:
+    """Load `root/<opt_name>` at (world / tp) x tp and `stage`; the whole model as loaded,
+    a save at once (`root/<opt_name>-<dp>x<tp>`), then the remaining steps."""
+    dp = world_size // tp
+    model, opt = _initialize(100 + rank, opt_name, tp, stage)  # other weights: the load must replace them all
+    extra = zerodp.load(os.path.join(root, opt_name), model, opt)
+    loaded = zerodp.full_state_dict(model, opt, rank0_only=True)
+    resaved = zerodp.save(os.path.join(root, f"{opt_name}-{dp}x{tp}"), model, opt)
+    losses = _train(model, opt, range(extra["data_position"], STEPS), dp, opt.comm.rank)
+    final = zerodp.full_state_dict(model, opt, rank0_only=True)
+    # load_pretrained from the one-process state dict: each rank reads its slice's elements.
+    whole = zerodp.consolidate(os.path.join(root, opt_name))
+    fresh, fresh_opt = _initialize(200 + rank, opt_name, tp, stage)
+    zerodp.checkpoint.load_pretrained(fresh, whole, fresh_opt)
+    pretrained = zerodp.full_state_dict(fresh, fresh_opt)
+    pretrained_equal = all(torch.equal(pretrained[k], v) for k, v in whole.items())
+    return {"loaded": loaded, "final": final, "losses": losses, "resaved": resaved, "pretrained_equal":
+            pretrained_equal, "step_count": opt.step_count} if rank == 0 else {"losses": losses,
+                                                                              "pretrained_equal": pretrained_equal}
+
+
+def killed_while_saving(rank: int, world_size: int, root: str) -> str:
+    """Spawned world of 4 (2 x 2, stage 3, AdamW): a checkpoint after step 0, then a save whose
+    rank files are cut to half and every rank SIGKILLed before the commit."""
+    model, opt = _initialize(rank, "adamw", SAVE_TP, SAVE_STAGE)
+    _train(model, opt, [0], SAVE_DP, opt.comm.rank)
+    zerodp.save(os.path.join(root, "step1"), model, opt)
+    full = zerodp.full_state_dict(model, opt, rank0_only=True)
+    if rank == 0:
+        torch.save(full, os.path.join(root, "..", "at_step1.pt"))
+    _train(model, opt, [1], SAVE_DP, opt.comm.rank)
+    real = ckpt_files.write_safetensors
+
+    def cut(file, tensors):
+        real(file, tensors)
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)
+        open(os.path.join(root, "..", f"half{rank}"), "w").close()
+        while not all(os.path.exists(os.path.join(root, "..", f"half{r}")) for r in range(world_size)):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt_files.write_safetensors = cut
+    zerodp.save(os.path.join(root, "step2"), model, opt)
+    return "not killed"
