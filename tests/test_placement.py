@@ -1,6 +1,8 @@
 """memory/placement.py: where long-lived buffers live, single process (no world needed)."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ class _CudaComm:
 
     rank, world_size = 0, 1
     device = torch.device("cuda", 0)
+    topology = types.SimpleNamespace(process_rank=0)  # offload files are named by process rank
 
     def all_gather_object(self, obj, phase, label=None):
         return [obj]
