@@ -353,3 +353,63 @@ def born_sharded_frozen(rank: int, world_size: int) -> dict:
     after = zerodp.full_state_dict(model, opt)
     return {"on_meta": on_meta, "frozen_sharded": opt.memory_report().frozen_params > 0,
             "loaded": all(torch.equal(after[k], other[k]) for k in other)}
+
+
+class _InPlaceBlock(torch.nn.Module):
+    """A block that adds to its input in place, around a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.trained = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        x += self.trained(torch.tanh(self.frozen(x)))
+        return x
+
+
+def paths_trainers_take(rank: int, world_size: int, root: str) -> dict:
+    """What trainers call besides forward and backward, at stage 3: a PEFT model's generate
+    (eval, online trainers), its save with the embedding layers (LoRA on embed_tokens), a
+    merge refused by name where it would be wrong (DoRA), a block updating its input in place."""
+    from zerodp.integrations.peft import merged_state_dict
+    out = {}
+    model, opt = _trained(world_size, rank)
+    prompt = ids(50, 0)[:1, :4]
+    ref = lora_model()
+    ref.load_state_dict(_reference(world_size, rank, "sgd", "plain")["state"])
+    with torch.no_grad():
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        out["generate"] = model.generate(input_ids=prompt, **kwargs).tolist() == ref.generate(input_ids=prompt,
+                                                                                                **kwargs).tolist()
+    # LoRA on the embedding: peft saves the (frozen) base embedding beside the adapters.
+    base = base_model()
+    torch.manual_seed(1)
+    emb = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], lora_dropout=0.0))
+    expected = emb.base_model.model.model.embed_tokens.base_layer.weight.detach().clone()
+    emb, emb_opt = zerodp.initialize(emb, torch.optim.SGD, zerodp.Config(stage=3), lr=0.0)
+    emb.save_pretrained(os.path.join(root, "emb"), is_main_process=rank == 0, save_embedding_layers=True)
+    if rank == 0:
+        saved = load_file(os.path.join(root, "emb", "adapter_model.safetensors"))
+        out["embedding_saved"] = any(torch.equal(v, expected) for v in saved.values())
+    try:
+        merged_state_dict(emb, emb_opt)
+        out["merge_refused"] = False
+    except ValueError as e:
+        out["merge_refused"] = "embeddings" in str(e)
+    # A block that updates its input in place, at stage 3, against one process.
+    def blocks():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(_InPlaceBlock(), _InPlaceBlock())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    plain = blocks()
+    whole = torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(world_size)])
+    plain(whole.requires_grad_().clone()).square().mean().backward()
+    net, net_opt = zerodp.initialize(blocks(), torch.optim.SGD, zerodp.Config(stage=3, unit_modules=(_InPlaceBlock,)),
+                                     lr=0.1)
+    net_opt.backward(net(x.clone()).square().mean())
+    net_opt.step()
+    want = {n: p.detach() - 0.1 * p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    got = zerodp.full_state_dict(net, net_opt)
+    out["in_place"] = max(float((got[n] - w).abs().max()) for n, w in want.items())
+    return out

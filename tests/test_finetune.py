@@ -132,3 +132,13 @@ def test_adapters_merge_one_unit_at_a_time(pool, tmp_path):
 def test_a_frozen_base_born_sharded_and_loaded_by_pieces(pool):
     for r in pool.run(2, cases.born_sharded_frozen):
         assert r["on_meta"] and r["frozen_sharded"] and r["loaded"], r
+
+
+def test_paths_trainers_take_at_stage_3(pool, tmp_path):
+    results = pool.run(2, cases.paths_trainers_take, str(tmp_path))
+    r = results[0]
+    assert r["generate"], r  # the PEFT model's generate runs the wrapped model's forward: gathered
+    assert r["embedding_saved"], r
+    assert all(x["merge_refused"] for x in results), results
+    # One SGD step at lr 0.1 from the same gradients, averaged in another order: the fp32 bound.
+    assert all(x["in_place"] <= SGD_TOL for x in results), results

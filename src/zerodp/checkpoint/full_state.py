@@ -24,12 +24,13 @@ __all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cpu_offload: bool = True,
-                    frozen_values: bool = True) -> dict:
+                    frozen_values: bool | str = True) -> dict:
     """The model's state dict with every tensor whole, under the model's own names and
     shapes, in the dtype the model computes in. Collective: every rank calls it; with
     `rank0_only` the other ranks get {} (and hold nothing after each unit's gather). With
     `frozen_values=False` frozen parameters come as meta tensors of their full shape and
-    dtype, nothing gathered nor copied: for a save of adapters only (a PEFT model's).
+    dtype, nothing gathered nor copied; with "embeddings", all but the input and output
+    embeddings' (which a PEFT save may write): for a save of adapters only (a PEFT model's).
 
     Under tensor parallelism each split parameter is all-gathered over its tensor-parallel
     group and put back together in the original's shape ([Note: tensor-parallel split]), one
@@ -37,8 +38,22 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
     return _full_state(model, optimizer, not rank0_only or ranks_of(optimizer).rank == 0, cpu_offload, frozen_values)
 
 
-def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, frozen_values: bool) -> dict:
+def _embedding_ids(model: nn.Module) -> set:
+    """The parameters of the model's input and output embeddings, where it names them."""
+    out = set()
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, name)()
+        except (AttributeError, NotImplementedError):
+            module = None
+        if isinstance(module, nn.Module):
+            out |= {id(p) for p in module.parameters()}
+    return out
+
+
+def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, frozen_values: bool | str) -> dict:
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
+    wanted = _embedding_ids(model) if frozen_values == "embeddings" else None
     optimizer.settle()  # a delayed update in flight reaches the parameters first
     splits = splits_of(optimizer)
     # A split parameter's slice is needed on every rank of its tensor-parallel group.
@@ -51,7 +66,8 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
                           frozen_shapes})
     whole: dict[int, torch.Tensor] = {}  # id(parameter) -> a tensor of its own, not training memory
     for unit in units:
-        parts = unit.parts() if frozen_values else ([] if unit.empty else [unit])
+        parts = unit.parts() if frozen_values is True else ([] if unit.empty else [unit]) + [
+            part for part in unit.frozen if wanted and any(id(p) in wanted for p in part.params)]
         if not parts:
             continue
         params = [p for part in parts for p in part.params]
@@ -61,7 +77,7 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
             elif keep:
                 whole[id(p)] = t.cpu() if cpu_offload else t
     for name, p in model.named_parameters():  # in the same order on every rank
-        if name in splits and (frozen_values or p.requires_grad):
+        if name in splits and (frozen_values is True or p.requires_grad or (wanted and id(p) in wanted)):
             full = _gather_split(optimizer.comm, whole.get(id(p), p.detach()), splits[name])
             whole[id(p)] = full.to(device or full.device) if keep else None
     if not keep:
@@ -70,7 +86,7 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) not in whole:
             whole[id(t)] = (torch.empty(frozen_shapes[id(t)], dtype=t.dtype, device="meta")
-                            if not frozen_values and id(t) in frozen_shapes
+                            if frozen_values is not True and id(t) in frozen_shapes and not (wanted and id(t) in wanted)
                             else t.detach().to(device or t.device, copy=True))
         result[key] = whole[id(t)]
     return result
@@ -89,7 +105,8 @@ def install_save_pretrained(model: nn.Module, optimizer) -> None:
     whole tensors. Called on every rank with `is_main_process` (as the Trainer and accelerate
     call it), it gathers one unit at a time into the main process's CPU memory, which alone
     writes; a failure there is raised on every rank. A PEFT model gathers its trainable
-    parameters only (the adapters it saves), not its frozen base. A call that passes its own
+    parameters (the adapters it saves) and its embeddings (which it saves with
+    `save_embedding_layers`), not the rest of its frozen base. A call that passes its own
     `state_dict` (zerodp.save_pretrained, the Trainer's) is the method as it was."""
     plain = plain_module(model)
     original = getattr(plain, "save_pretrained", None)
@@ -110,7 +127,8 @@ def install_save_pretrained(model: nn.Module, optimizer) -> None:
             if not is_main_process:
                 return original(save_directory, *args, is_main_process=False, state_dict=state_dict, **kwargs)
             return write(save_directory, args, state_dict, kwargs)
-        state = _full_state(plain, optimizer, bool(is_main_process), True, frozen_values=not adapters_only)
+        state = _full_state(plain, optimizer, bool(is_main_process), True,
+                            frozen_values="embeddings" if adapters_only else True)
         status = {"ok": True}
         if is_main_process:
             try:

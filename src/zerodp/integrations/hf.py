@@ -301,7 +301,7 @@ class ZeroTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         # Every rank gathers; a PEFT model writes its adapters only, so its frozen base is not gathered.
         state = full_state_dict(self.model, self.optimizer, rank0_only=True,
-                                frozen_values=not hasattr(self.model, "peft_config"))
+                                frozen_values="embeddings" if hasattr(self.model, "peft_config") else True)
         self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

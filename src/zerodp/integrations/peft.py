@@ -41,6 +41,27 @@ def _merged_name(key: str, adapter: str) -> Optional[str]:
     return ".".join(out)
 
 
+def _refuse_unmergeable(peft_model: nn.Module, base: nn.Module, adapter: str, lora_layer: type) -> None:
+    """What this merge does not compute (it adds B·A·scaling to a Linear's weight): refused
+    by name rather than written wrong."""
+    config = getattr(peft_model, "peft_config", {}).get(adapter)
+    if config is None:
+        raise ValueError(f"the model has no adapter {adapter!r} (it has {sorted(peft_model.peft_config)})")
+    kind = str(getattr(config, "peft_type", "")).split(".")[-1]
+    why = (f"its peft_type is {kind}, not LORA" if kind != "LORA"
+           else "it uses DoRA (use_dora=True), whose merge rescales each weight" if getattr(config, "use_dora", False)
+           else "it trains LoRA biases (lora_bias=True)" if getattr(config, "lora_bias", False)
+           else None)
+    embedded = [n for n, m in base.named_modules() if isinstance(m, lora_layer) and adapter in getattr(
+        m, "lora_embedding_A", {})]
+    if why is None and embedded:
+        why = f"it puts LoRA on embeddings ({embedded[:3]})"
+    if why is not None:
+        raise ValueError(f"zerodp's unit-by-unit merge does not support adapter {adapter!r}: {why}. Save the "
+                         f"adapters (model.save_pretrained) and merge them in one process with peft's "
+                         f"merge_and_unload, or use plain LoRA on linear layers")
+
+
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, optimizer, *, adapter: str = "default", rank0_only: bool = True) -> dict:
     """The base model's full state dict with LoRA adapter `adapter` merged in, gathering one
@@ -52,6 +73,7 @@ def merged_state_dict(model: nn.Module, optimizer, *, adapter: str = "default", 
     if not hasattr(peft_model, "get_base_model"):
         raise TypeError(f"{type(peft_model).__name__} is not a PEFT model (no get_base_model): there is nothing to merge")
     base = peft_model.get_base_model()
+    _refuse_unmergeable(peft_model, base, adapter, LoraLayer)
     optimizer.settle()  # a delayed update reaches the parameters first
     keep = not rank0_only or optimizer.comm.rank == 0
     lora = {id(m.base_layer.weight): m for m in base.modules()

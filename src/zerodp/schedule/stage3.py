@@ -52,6 +52,16 @@ class _UnitView:
     """Marks a saved tensor packed as a view of a unit's gathered buffer."""
 
 
+class _WatchedCall:
+    """One call of a unit with frozen parameters whose inputs pass through `_BackwardDone`:
+    `settled` once the current backward reached its inputs (or its graph was freed)."""
+
+    __slots__ = ("unit", "settled")
+
+    def __init__(self, unit: int):
+        self.unit, self.settled = unit, False
+
+
 class _BackwardDone(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once their gradients are complete,
     i.e. once every op of the unit that reads them, and so its frozen weights, has run its
@@ -60,7 +70,9 @@ class _BackwardDone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, done, *tensors):
         ctx.done = done
-        return tuple(t.view_as(t) for t in tensors)
+        # Copies, not views: a block may update its input in place (`x += h`), which autograd
+        # forbids on a view a custom Function returned. One copy of the block's input per call.
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -84,6 +96,7 @@ class Stage3Engine(BackwardSchedule):
         self.backward_order: list[int] = []
         self._recording = True  # the first step: the orders above are recorded, nothing prefetched
         self._pending = [0] * len(units)  # per unit: parameters whose gradient is not in yet
+        self._calls: list[set] = [set() for _ in units]  # per unit: its watched calls whose graph is alive
         self._live: set = set()  # units gathered since they were last seen freed
         # Reduce order: children finish backward before the units registered before them,
         # until the first reducing backward has shown the real order (`adopt_recorded_order`).
@@ -142,8 +155,15 @@ class Stage3Engine(BackwardSchedule):
         # Units holding frozen parameters: calls whose inputs' gradients are not in yet, and
         # calls run without gradients inside a training forward (reentrant checkpointing),
         # whose recomputation in backward is watched instead.
-        self._inputs_pending = [0] * len(self.units)
-        self._watched = [False] * len(self.units)  # a call's inputs needed gradients: their end is seen
+        # Watched calls whose backward has not reached their inputs yet: a forward's calls not
+        # yet backpropagated, or never to be while its loss is kept (it then keeps its units
+        # gathered through this backward); a call whose graph is freed is dropped
+        # (`weakref.finalize`), and one already reached stays so (a retain_graph backward again
+        # frees its unit at the first input gradient).
+        for calls in self._calls:
+            calls.difference_update([c for c in calls if c.settled])
+        self._inputs_pending = [len(calls) for calls in self._calls]
+        self._watched = [bool(calls) for calls in self._calls]  # a call's inputs needed gradients
         self._deferred = [0] * len(self.units)
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
@@ -316,10 +336,18 @@ class Stage3Engine(BackwardSchedule):
     def _make_input_watch(self, ui: int):
         """Forward pre-hook of a unit with frozen parameters: its inputs that need a gradient
         pass through `_BackwardDone`, which tells when the unit's backward is over."""
-        def done() -> None:
-            self._inputs_pending[ui] -= 1
+        def settle(call: _WatchedCall, backward: bool) -> None:
+            if not call.settled:
+                call.settled = True
+                self._inputs_pending[ui] -= 1
+            if backward:
+                self._watched[ui] = True
             if self.units[ui].training_state is TrainingState.PRE_BACKWARD:
                 self._maybe_done(ui)
+
+        def forget(call: _WatchedCall) -> None:  # its graph was freed: no backward will reach it
+            self._calls[ui].discard(call)
+            settle(call, backward=False)
 
         def hook(module, args, kwargs):
             if not torch.is_grad_enabled():
@@ -334,9 +362,13 @@ class Stage3Engine(BackwardSchedule):
             where += [("k", k) for k, v in kwargs.items() if torch.is_tensor(v) and v.requires_grad]
             if not where:
                 return None
+            call = _WatchedCall(ui)
+            self._calls[ui].add(call)
             self._inputs_pending[ui] += 1
             self._watched[ui] = True
-            outs = _BackwardDone.apply(done, *[args[i] if kind == "a" else kwargs[i] for kind, i in where])
+            outs = _BackwardDone.apply(lambda: settle(call, backward=True),
+                                       *[args[i] if kind == "a" else kwargs[i] for kind, i in where])
+            weakref.finalize(outs[0].grad_fn, forget, call)
             args, kwargs = list(args), dict(kwargs)
             for (kind, i), t in zip(where, outs):
                 if kind == "a":

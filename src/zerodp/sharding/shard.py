@@ -149,10 +149,11 @@ def _shard_units(model: nn.Module, everything: list, n_trainable: int, group_ind
         if ui not in built:
             build(ui)
     flat_units = [built[ui] for ui in sorted(built)]
+    root = units[-1][1]
     if born_sharded:
         check_same_initialisation(flat_units, comm)
     for u in flat_units:
-        u.outer = any(v is not u and encloses(u.name if u.module is not model else "", v.name) for v in flat_units)
+        u.outer = any(v is not u and encloses(u.name if u.module is not root else "", v.name) for v in flat_units)
     sharded = {id(p) for u in flat_units for p in u.all_params()}
     replicate_from_rank0(model, comm, skip=sharded)  # the units broadcast their own
     apply_compute_dtype(model, precision.compute_dtype, skip=sharded, cast_buffers=precision.cast_buffers)

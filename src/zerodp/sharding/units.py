@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["assign_params", "encloses", "runs", "select_units"]
+__all__ = ["assign_params", "encloses", "root_module", "runs", "select_units"]
 
 
 def runs(module: nn.Module) -> bool:
@@ -33,7 +33,7 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
     if unit_modules:
         wanted = {u for u in unit_modules if isinstance(u, type)}
         wanted_names = {u for u in unit_modules if isinstance(u, str)}
-        units = [(n, m) for n, m in named if m is not model and (
+        units = [(n, m) for n, m in named if m is not model and m is not root_module(model) and (
             type(m) in wanted or type(m).__name__ in wanted_names or type(m).__qualname__ in wanted_names)]
         if not units:
             raise ValueError(f"Config.unit_modules={unit_modules!r} matches no submodule of "
@@ -47,14 +47,25 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
         claimed: set = set()
         units = []
         for n, m in reversed(named):  # children before parents
-            if m is model or not runs(m):
+            if m is model or m is root_module(model) or not runs(m):
                 continue
             own = [p for p in m.parameters() if id(p) not in claimed]
             if sum(p.numel() for p in own) >= min_params:
                 units.append((n, m))
                 claimed.update(id(p) for p in own)
         units.reverse()
-    return units + [("", model)]
+    return units + [("", root_module(model))]
+
+
+def root_module(model: nn.Module) -> nn.Module:
+    """The module whose forward begins and ends every pass: the model, or for a PEFT model
+    the model it wraps, whose forward `generate()` (and so any eval or online trainer) runs
+    without running the wrapper's; not for prompt learning, whose wrapper embeds the tokens
+    itself."""
+    config = getattr(model, "active_peft_config", None)
+    inner = (model.get_base_model() if config is not None and not getattr(config, "is_prompt_learning", False)
+             and hasattr(model, "get_base_model") else None)
+    return inner if isinstance(inner, nn.Module) and inner is not model else model
 
 
 def encloses(unit_name: str, module_name: str) -> bool:
