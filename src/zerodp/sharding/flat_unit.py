@@ -126,7 +126,7 @@ class FlatUnit(StagedShard):
         # adding ([Note: gradient clearing] in schedule/base.py). On disk, zeroing would write
         # the file: a fresh shard there is stale bytes that read as zero until overwritten.
         self.grad_fresh = True
-        for p, view in zip(self.params, self._param_shard_views()):
+        for p, view in zip(self.params, self.shard_views()):
             p.data = view
         self.state = UnitState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -173,16 +173,9 @@ class FlatUnit(StagedShard):
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
-            if self.work is not None:
-                self.work.wait()
-                self.work = None
-            self.release_staged()
-            if self.full is not None:
-                with torch.no_grad():
-                    for p, view in zip(self.params, self.layout.views(self.full)):
-                        p.data = view
+            self.land_gather()
             for part in self.frozen:
-                part.wait()
+                part.land_gather()
             self.state = UnitState.GATHERED
 
     def reshard(self, keep_secondary: bool = False) -> None:
@@ -200,7 +193,7 @@ class FlatUnit(StagedShard):
             if self.secondary_shard is None:
                 self.secondary_shard = self.secondary.pool.get(piece.numel(), piece.dtype, piece.device)
             self.secondary_shard.copy_(piece)  # this forward's values, the ones its backward needs
-        for p, view in zip(self.params, self._param_shard_views()):
+        for p, view in zip(self.params, self.shard_views()):
             p.data = view
         if self.full is not None:
             self.pool.put(self.full)
@@ -228,18 +221,6 @@ class FlatUnit(StagedShard):
         if self.secondary_shard is not None:
             self.secondary.pool.put(self.secondary_shard)
             self.secondary_shard = None
-
-    def _param_shard_views(self) -> list[torch.Tensor]:
-        """Each parameter's owned elements as a 1-D view of `shard` (empty if none)."""
-        out = []
-        for i in range(len(self.params)):
-            pieces = self.layout.slot_pieces(i, self.rank)
-            if pieces:
-                _, s, n = pieces[0]
-                out.append(self.shard[s: s + n])
-            else:
-                out.append(self.shard[:0])
-        return out
 
     # -- gradients -------------------------------------------------------------------------
     def attach_grad_views(self) -> None:

@@ -49,8 +49,30 @@ def frozen_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype
 
 
 class StagedShard:
-    """A shard that a gather reads: where it is offloaded ([Note: placement]), a copy staged
-    in a pooled device buffer. Needs `shard`, `placement`, `pool`, `device` and `_staged`."""
+    """A flat shard of parameters that a gather rebuilds whole: what a unit's trainable
+    storage and its frozen parts share. Where the shard is offloaded ([Note: placement]) the
+    gather reads a copy staged in a pooled device buffer. Needs `params`, `layout`, `rank`,
+    `shard`, `full`, `work`, `placement`, `pool`, `device` and `_staged`."""
+
+    def shard_views(self) -> list[torch.Tensor]:
+        """Each parameter's owned elements as a 1-D view of `shard` (empty if none)."""
+        out = []
+        for i in range(len(self.params)):
+            pieces = self.layout.slot_pieces(i, self.rank)
+            out.append(self.shard[pieces[0][1]: pieces[0][1] + pieces[0][2]] if pieces else self.shard[:0])
+        return out
+
+    def land_gather(self) -> None:
+        """The gather in flight is complete: its staged source goes back to the pool and the
+        parameters become full-shape views of the gathered buffer."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.release_staged()
+        if self.full is not None:
+            with torch.no_grad():
+                for p, view in zip(self.params, self.layout.views(self.full)):
+                    p.data = view
 
     def gather_source(self) -> torch.Tensor:
         """The shard as a collective's input: itself on the device; an offloaded one copied
@@ -96,27 +118,16 @@ class FrozenPart(StagedShard):
         return full[c.flat_start: c.flat_start + c.numel]
 
     def _point_at_shard(self) -> None:
-        for i, p in enumerate(self.params):
-            pieces = self.layout.slot_pieces(i, self.rank)
-            p.data = self.shard[pieces[0][1]: pieces[0][1] + pieces[0][2]] if pieces else self.shard[:0]
+        for p, view in zip(self.params, self.shard_views()):
+            p.data = view
 
     def unshard(self, phase: str, async_op: bool) -> None:
         self.full = self.pool.get(self.layout.padded_numel, self.dtype, self.device)
         self.work = self.collectives.all_gather(self.full, self.gather_source(), phase, async_op=async_op,
                                                 label=self.label)
 
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        self.release_staged()
-        if self.full is not None:
-            with torch.no_grad():
-                for p, view in zip(self.params, self.layout.views(self.full)):
-                    p.data = view
-
     def reshard(self) -> None:
-        self.wait()
+        self.land_gather()
         self._point_at_shard()
         if self.full is not None:
             self.pool.put(self.full)
