@@ -285,3 +285,59 @@ def tensor_parallel_case(rank, world_size):
     except ValueError as e:
         return str(e)
     return None
+
+
+# -- the path a user takes: an HF Llama from its config, the recipe, accumulation, activation
+# checkpointing and the Trainer's model.zero_grad(), against one process on the global batch.
+HF_STEPS, HF_MICRO = 3, 2
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    model.gradient_checkpointing_enable()  # transformers' default kwargs
+    return model
+
+
+def _hf_batch(step: int, rank: int, micro: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+
+
+def _recipe(model):
+    hidden, rest = zerodp.split_hidden_matrices(model)
+    return [torch.optim.Muon(hidden, lr=MUON_LR), torch.optim.AdamW(rest, lr=ADAMW_LR)]
+
+
+def hf_user_loop(rank, world_size, stage):
+    ref = _hf_llama()
+    ref_opts = _recipe(ref)
+    ref_losses = []
+    for step in range(HF_STEPS):
+        for micro in range(HF_MICRO):
+            for r in range(world_size):
+                loss = ref(input_ids=_hf_batch(step, r, micro), labels=_hf_batch(step, r, micro)).loss
+                (loss / (world_size * HF_MICRO)).backward()
+                if r == rank and micro == 0:
+                    ref_losses.append(loss.item())
+        for o in ref_opts:
+            o.step()
+        ref.zero_grad(set_to_none=True)
+    model = _hf_llama()
+    model, opt = zerodp.initialize(model, _recipe(model),
+                                   zerodp.Config(stage=stage, grad_accumulation_steps=HF_MICRO))
+    losses = []
+    for step in range(HF_STEPS):
+        for micro in range(HF_MICRO):
+            batch = _hf_batch(step, rank, micro)
+            loss = model(input_ids=batch, labels=batch).loss
+            opt.backward(loss)
+            if micro == 0:
+                losses.append(loss.item())
+        opt.step()
+        model.zero_grad(set_to_none=True)  # as the Trainer clears them
+    got = zerodp.full_state_dict(model, opt)
+    want = ref.state_dict()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "params": max(float(((got[k] - want[k]).abs() / (1 + want[k].abs())).max()) for k in want)}

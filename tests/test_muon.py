@@ -223,3 +223,17 @@ def test_declaration():
     assert needs_whole_params(torch.optim.Muon) and needs_whole_params(torch.optim.Adafactor([torch.zeros(2, 2)]))
     assert not needs_whole_params(torch.optim.AdamW) and not needs_whole_params(Elementwise)
     assert needs_whole_params(cases.WholeSGD)
+
+
+# The user's path: per step each Muon matrix's update may differ by 2 x 1.5 x lr x adjust
+# (MUON_TOL's argument: micro-batches sum the gradients in another order), adjust =
+# sqrt(max(1, rows / cols)) <= sqrt(2) for this Llama's projections, over HF_STEPS steps;
+# AdamW's part by adamw_tol. Weak, as MUON_TOL is; the exact cases above are the strict check.
+HF_TOL = max(2 * SIGMA_MAX * cases.MUON_LR * 2 ** 0.5 * cases.HF_STEPS, adamw_tol(cases.ADAMW_LR, cases.HF_STEPS))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_recipe_on_an_hf_model_in_a_trainer_s_loop(pool, stage):
+    for rank, r in enumerate(pool.run(2, cases.hf_user_loop, stage)):
+        assert r["losses"][0] == r["ref_losses"][0], (rank, r)  # the same weights and batch
+        assert r["params"] <= HF_TOL, (rank, r)
