@@ -62,6 +62,11 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def current_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def build_model(args):
     """(peft model, parameter count of the base): the bf16 base with fp32 LoRA adapters."""
     import torch
@@ -80,6 +85,8 @@ def build_model(args):
         torch.set_default_dtype(torch.float32)
     base = base.to(torch.bfloat16)
     base.config.use_cache = False
+    if args.gradient_checkpointing:  # get_peft_model then makes the embeddings' output require a gradient
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     psi_base = sum(p.numel() for p in base.parameters())
     torch.manual_seed(SEED + 1)
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=TARGET_MODULES, lora_dropout=0.0))
@@ -131,6 +138,10 @@ def worker(args) -> None:
     t_start = time.perf_counter()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, ws = dist.get_rank(), dist.get_world_size()
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    rss_runtime = current_rss_bytes()  # Python, torch, transformers, peft and gloo: every engine's floor
     model, psi_base = build_model(args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     forward, backward, step, zero_grad, report = setup(args.variant, model)
@@ -153,7 +164,7 @@ def worker(args) -> None:
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.detach().item())
     mine = {"rank": rank, "losses": losses, "step_s": step_s, "peak_rss": max(peak_rss_bytes(), rss_setup),
-            "train_peak_rss": peak_rss_bytes() if cleared else None, "setup_s": setup_s,
+            "train_peak_rss": peak_rss_bytes() if cleared else None, "setup_s": setup_s, "runtime_rss": rss_runtime,
             "memory_report": report()}
     everyone = [None] * ws
     dist.all_gather_object(everyone, mine)
@@ -166,6 +177,9 @@ def worker(args) -> None:
             "median_step_s": statistics.median(slowest[args.warmup:]), "step_s_slowest_rank": slowest,
             "peak_rss_max": max(r["peak_rss"] for r in everyone),
             "train_peak_rss_max": None if None in train_peaks else max(train_peaks),
+            "runtime_rss_max": max(r["runtime_rss"] for r in everyone),
+            "train_peak_above_runtime_max": (None if None in train_peaks else
+                                             max(r["train_peak_rss"] - r["runtime_rss"] for r in everyone)),
             "memory_report_max": ({k: max(r["memory_report"][k] for r in everyone) for k in REPORT_FIELDS}
                                   if everyone[0]["memory_report"] else None),
             "loss_mean": [statistics.fmean(r["losses"][i] for r in everyone) for i in range(args.steps)],
@@ -197,14 +211,16 @@ def render(args, records: dict, failures: dict) -> str:
             f"{any_r['trainable']:,} trainable (fp32). " if any_r else "")
     lines = [head + f"hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
              f"{args.heads} heads / {args.kv_heads} kv heads, vocab {args.vocab}; N={WORLD_SIZE} CPU/gloo, "
-             f"OMP_NUM_THREADS=1, batch 1x{args.seq} per rank, AdamW(lr={LR}), {args.steps} steps, median of the "
+             f"OMP_NUM_THREADS=1, batch 1x{args.seq} per rank, "
+             f"{'activation checkpointing (non-reentrant), ' if args.gradient_checkpointing else ''}"
+             f"AdamW(lr={LR}), {args.steps} steps, median of the "
              f"last {args.steps - args.warmup}.", "",
              "| engine | median step s | × DDP | peak RSS GiB/rank | × DDP | train peak RSS GiB/rank | × DDP "
-             "| setup s | final loss | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| train peak above runtime GiB/rank | × DDP | setup s | final loss | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for v in args.variants:
         if v in failures:
-            lines.append(f"| {v} | failed: {failures[v]} |" + " |" * 8)
+            lines.append(f"| {v} | failed: {failures[v]} |" + " |" * 10)
             continue
         r = records.get(v)
         if r is None:
@@ -213,9 +229,14 @@ def render(args, records: dict, failures: dict) -> str:
                      f"| {_gib(r['peak_rss_max'])} | {_ratio(r['peak_rss_max'], ddp and ddp['peak_rss_max'])} "
                      f"| {_gib(r['train_peak_rss_max'])} "
                      f"| {_ratio(r['train_peak_rss_max'], ddp and ddp['train_peak_rss_max'])} "
+                     f"| {_gib(r['train_peak_above_runtime_max'])} "
+                     f"| {_ratio(r['train_peak_above_runtime_max'], ddp and ddp['train_peak_above_runtime_max'])} "
                      f"| {r['setup_s']:.1f} | {r['final_loss']:.4f} | {NOTES[v]} |")
     lines += ["", "Peak RSS: VmHWM of the largest rank over the whole run (building the model included). Train peak: "
-              "VmHWM reset after the engine's setup, so the high-water mark of the training steps alone. Step time: "
+              "VmHWM reset after the engine's setup, so the high-water mark of the training steps alone. Above runtime: "
+              "train peak less the RSS of the bare runtime (Python, torch, transformers, peft, gloo: "
+              f"{_gib(any_r and any_r['runtime_rss_max'])} GiB, before any model exists), the part the engines "
+              "differ in. Step time: "
               "slowest rank per step, median after warm-up. Setup: process start to engine ready, largest rank."]
     if z and z["memory_report_max"]:
         mr = z["memory_report_max"]
@@ -251,7 +272,8 @@ def parent(args) -> None:
     print(f"[bench_lora] {load_before}\n[bench_lora] results -> {results}, worker output -> {log_path}", flush=True)
     sizes = ["--hidden", args.hidden, "--layers", args.layers, "--intermediate", args.intermediate, "--heads",
              args.heads, "--kv-heads", args.kv_heads, "--vocab", args.vocab, "--seq", args.seq, "--steps",
-             args.steps, "--warmup", args.warmup, "--timeout", args.timeout]
+             args.steps, "--warmup", args.warmup, "--timeout", args.timeout,
+             *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
     records, failures = {}, {}
     for v in args.variants:
         t0 = time.perf_counter()
@@ -284,6 +306,8 @@ def main() -> None:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                         help=f"default {default} (--tiny: {TINY[name]})")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="activation checkpointing in every engine (HF gradient_checkpointing_enable, non-reentrant)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed per engine")
     ap.add_argument("--out", default=None, help="markdown output (default benchmarks/results/lora-<stamp>.md)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

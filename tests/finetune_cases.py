@@ -151,11 +151,13 @@ def lora_parity(rank: int, world_size: int, stage: int, opt_name: str, variant: 
 # -- the ledger --------------------------------------------------------------------------------
 def _units_by_hand(model) -> dict:
     """Frozen and trainable element counts per stage-3 unit, from the model's own names:
-    each decoder layer is a unit (Llama's `_no_split_modules`), the rest is the root's."""
+    each decoder layer is a unit (Llama's `_no_split_modules`), and so is the untied input
+    embedding; the rest (final norm, head and its trainable copy) is the root's."""
     counts: dict = {}
     for name, p in model.named_parameters():
         parts = name.split(".")
-        unit = ".".join(parts[:parts.index("layers") + 2]) if "layers" in parts else "<root>"
+        unit = (".".join(parts[:parts.index("layers") + 2]) if "layers" in parts else
+                "embed_tokens" if "embed_tokens" in parts else "<root>")
         key = (unit, "frozen" if not p.requires_grad else "trainable")
         counts[key] = counts.get(key, 0) + p.numel()
     return counts
@@ -171,6 +173,8 @@ def ledger(rank: int, world_size: int) -> dict:
     loss_of(model, ids(0, rank)).backward()
     opt.step()
     report = opt.memory_report()
+    gathered = {phase: sorted({r.label for r in opt.comm.ledger.last_step if r.op == "all_gather" and r.phase == phase})
+                for phase in ("forward", "backward")}
     # Independent of the engine's ledger: the storages the frozen parameters point into.
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in model.parameters() if not p.requires_grad}
@@ -185,7 +189,7 @@ def ledger(rank: int, world_size: int) -> dict:
                                           if kind == "trainable") + 2,
             "trainable_state": report.params + report.grads + report.master + report.optimizer_states,
             "model_state": report.model_state, "frozen_total": frozen_total, "trainable_total": trainable_total,
-            "units": len(opt.stage3.units)}
+            "units": len(opt.stage3.units), "unit_names": [u.name for u in opt.stage3.units], "gathered": gathered}
 
 
 def ledger_replicated(rank: int, world_size: int, stage: int) -> dict:

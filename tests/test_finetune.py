@@ -76,6 +76,12 @@ def test_stage3_shards_the_frozen_base(pool, n):
         # Trainable: 16 Psi_t / N in the paper's mixed precision, by hand per unit.
         assert r["trainable_state"] == r["trainable_by_hand"], r
         assert r["model_state"] == r["frozen_by_hand"] + r["trainable_by_hand"], r
+        # The untied embedding is a unit of its own: frozen and fed token ids, it is gathered
+        # for its forward only; the blocks are gathered again for their backward.
+        embed = "base_model.model.model.embed_tokens"
+        assert r["unit_names"][0] == embed, r["unit_names"]
+        assert f"unit {embed}" in r["gathered"]["forward"] and f"unit {embed}" not in r["gathered"]["backward"], r
+        assert "unit base_model.model.model.layers.0" in r["gathered"]["backward"], r
 
 
 @pytest.mark.parametrize("stage", [1, 2])

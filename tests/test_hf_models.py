@@ -72,6 +72,9 @@ BLOCK_UNITS = {  # the block instances each model's `_no_split_modules` and unit
     "llama": ["model.layers.0", "model.layers.1"],
     "bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
 }
+# Automatic units add what the hint names outside the blocks (BERT's BertEmbeddings) and an
+# input embedding untied from the head (Llama's); GPT-2's is tied, so the root keeps it.
+AUTO_BEFORE_BLOCKS = {"gpt2": [], "llama": ["model.embed_tokens"], "bert": ["bert.embeddings"]}
 
 
 SIZES = (2, 4)
@@ -136,15 +139,15 @@ UNIT_CELLS = [(n, name, precision) for n in SIZES for name in BLOCK_UNITS
 
 @pytest.mark.parametrize("n,name,precision", UNIT_CELLS, ids=map(_cell_id, UNIT_CELLS))
 def test_automatic_units_are_hf_blocks(pool, n, name, precision):
-    """No unit_modules: the HF model's `_no_split_modules` classes are the units. BERT's
-    hint, {BertEmbeddings, BertLayer}, is gathered by HF's post_init from its inner
-    BertModel onto BertForMaskedLM."""
+    """No unit_modules: the HF model's `_no_split_modules` classes are the units, and its
+    input embedding when untied from the head (Llama's; GPT-2's and BERT's are tied, so the
+    root keeps them). BERT's hint, {BertEmbeddings, BertLayer}, is gathered by HF's post_init from
+    its inner BertModel onto BertForMaskedLM."""
     blocks = BLOCK_UNITS[name]
     auto = _parity(pool, n, name, precision, 3, "auto")[0]["units"]
     named = _parity(pool, n, name, precision, 3, "named")[0]["units"]
     assert named["names"] == blocks + ["<root>"], (name, named)
-    extra = ["bert.embeddings"] if name == "bert" else []
-    assert auto["names"] == extra + blocks + ["<root>"], (name, auto)
+    assert auto["names"] == AUTO_BEFORE_BLOCKS[name] + blocks + ["<root>"], (name, auto)
     assert auto["all_run"] and named["all_run"]
 
 
@@ -229,7 +232,7 @@ def test_user_path_checkpointing_and_accumulation_equal_ddp(pool, n, name, preci
             assert loss <= ACCUM_LOSS_TOL[precision], (key, rank, step, loss)
         assert c["update_rel"] <= UPDATE_TOL[precision], (key, c["update_rel"])
         if stage == 3:
-            assert c["units"] == BLOCK_UNITS[name] + ["<root>"], (key, c["units"])
+            assert c["units"] == AUTO_BEFORE_BLOCKS[name] + BLOCK_UNITS[name] + ["<root>"], (key, c["units"])
         # The measured ledger holds nothing outside its categories but AdamW's step counters.
         assert set(c["memory"]["other"]) <= {"ZeroOptimizer.state"}, (key, c["memory"])
 

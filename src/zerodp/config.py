@@ -117,8 +117,8 @@ class Config:
     unit_modules: tuple = ()
     """Stage 3: module classes (or class names) whose every instance is one unit, gathered
     at once; e.g. (Block,). Empty means automatic units: a Hugging Face model's block classes
-    (`_no_split_modules`), else by `unit_min_params`. A unit must be a module that runs (not a
-    ModuleList)."""
+    (`_no_split_modules`) and its input embedding when untied from the head, else by
+    `unit_min_params`. A unit must be a module that runs (not a ModuleList)."""
 
     unit_min_params: int = 100_000
     """Stage 3 with no `unit_modules`: a submodule whose parameter count reaches this becomes

@@ -246,7 +246,10 @@ class Stage3Engine(BackwardSchedule):
             training = torch.is_grad_enabled()
             if training:
                 for t in output_tensors(output):
-                    if t.requires_grad:
+                    # A leaf output (an embedding's, made to require a gradient for checkpointing
+                    # by `enable_input_require_grads`) ends the backward: nothing of the unit runs
+                    # for it, so it does not gather the unit again.
+                    if t.requires_grad and (t.grad_fn is not None or isinstance(t, nn.Parameter)):
                         t.register_hook(eager_hook(self._make_pre_backward(ui)))
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()

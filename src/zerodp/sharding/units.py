@@ -24,12 +24,13 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
     runs (see `runs`) and whose parameters not yet claimed by a unit below it reach
     `min_params`; a container's parameters fall to the module that calls its children."""
     named = list(model.named_modules())
+    from_hint = False
     if not unit_modules:
         # Hugging Face models name their blocks (the classes never split across devices),
         # which is what FSDP's and DeepSpeed's HF integrations wrap by default.
         hinted = tuple(getattr(model, "_no_split_modules", None) or ())
         if any(type(m).__name__ in hinted for _, m in named if m is not model):
-            unit_modules = hinted
+            unit_modules, from_hint = hinted, True
     if unit_modules:
         wanted = {u for u in unit_modules if isinstance(u, type)}
         wanted_names = {u for u in unit_modules if isinstance(u, str)}
@@ -43,6 +44,8 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
             raise ValueError(f"Config.unit_modules={unit_modules!r} names containers that are never called, "
                              f"{idle[:3]}: a unit must be a module whose forward runs; name the block class "
                              f"inside the container instead")
+        if from_hint:
+            units = _with_input_embedding(model, units)
     else:
         claimed: set = set()
         units = []
@@ -55,6 +58,32 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
                 claimed.update(id(p) for p in own)
         units.reverse()
     return units + [("", root_module(model))]
+
+
+def _with_input_embedding(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks and, when untied from the output layer, the input embedding as a unit of
+    its own (in model order), as the size rule would make it. Held by the root, it stays
+    gathered from the first token to the end of backward; alone, it is freed after its
+    forward, and a frozen one (fed token ids) is never gathered in backward. The output
+    layer stays with the root: trainers read its weight outside its forward (TRL's chunked
+    log-probabilities multiply by `lm_head.weight`), which only the root's forward encloses.
+    Tied, the shared weight belongs to the root (`assign_params`) and so does the embedding."""
+    def get(getter: str):
+        try:
+            module = getattr(model, getter)() if hasattr(model, getter) else None
+        except (AttributeError, NotImplementedError):
+            module = None
+        return module if isinstance(module, nn.Module) else None
+
+    embedding, head = get("get_input_embeddings"), get("get_output_embeddings")
+    if embedding is None or embedding is root_module(model) or not runs(embedding):
+        return blocks
+    if head is not None and any(p is q for p in embedding.parameters() for q in head.parameters()):
+        return blocks
+    if any(m is embedding for _, b in blocks for m in b.modules()):
+        return blocks
+    chosen = {id(embedding)} | {id(m) for _, m in blocks}
+    return [(n, m) for n, m in model.named_modules() if id(m) in chosen and m is not model]
 
 
 def root_module(model: nn.Module) -> nn.Module:
