@@ -71,6 +71,24 @@ def test_the_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path,
     assert zerodp.latest(tmp_path).endswith("step_1")
 
 
+def test_the_writer_stays_named_through_the_commit(tmp_path, monkeypatch):
+    """A kill while rank 0 commits (writing COMPLETE, renaming) leaves a `.tmp-` directory
+    that the next save must recognise as a leftover: its OWNER is still in it then."""
+    from zerodp.checkpoint import files
+
+    model, opt = tiny()
+    seen, real_commit = [], files.commit
+
+    def commit(tmp, path, listed):
+        seen.append(os.path.exists(os.path.join(tmp, OWNER)))
+        real_commit(tmp, path, listed)
+    monkeypatch.setattr(files, "commit", commit)
+    zerodp.save(tmp_path / "step_1", model, opt)
+    assert seen == [True]
+    assert not (tmp_path / "step_1" / OWNER).exists()  # a finished checkpoint names no writer
+    zerodp.load(tmp_path / "step_1", model, opt)
+
+
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
     model, opt = tiny()
     (tmp_path / "notes").mkdir()

@@ -13,6 +13,7 @@ synchronous `save` runs them in a row and an asynchronous one runs the last two 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -242,8 +243,11 @@ def finish(comm, path: str, tmp: str, status: dict, keep_last: Optional[int]) ->
     if rank == 0:
         try:
             files = {name: d for st in statuses for name, d in st["files"].items()}
-            os.remove(os.path.join(tmp, OWNER))  # it names the writer of an unfinished save only
             fileio.commit(tmp, path, files)
+            # OWNER names the writer of an unfinished save only; it goes once the checkpoint has
+            # its name, so that a kill during the commit leaves a `.tmp-` whose writer is named.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, OWNER))
             result = {"ok": True}
         except Exception as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
