@@ -156,6 +156,23 @@ def test_automatic_units_by_parameter_count():
         select_units(GPT("tiny"), ("NoSuchBlock",), 1)
 
 
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_an_untied_hf_input_embedding_is_a_unit_unless_parameters_are_offloaded(offload):
+    """Automatic units of an HF model: its blocks and, untied from the head, its input
+    embedding; with offloaded parameters the embedding stays in the root (a model may move
+    its ids to the weight's device before the embedding's forward gathers it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zerodp
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, tie_word_embeddings=False))
+    _, opt = zerodp.initialize(model, torch.optim.SGD, zerodp.Config(stage=3, offload_params=offload, offload_optimizer=offload), lr=0.1)
+    embedding = ["model.embed_tokens"] if offload == "none" else []
+    assert [u.name for u in opt.stage3.units] == embedding + ["model.layers.0", "model.layers.1", "<root>"]
+
+
 @SIZES
 def test_born_sharded_and_gathered_parameters(pool, n):
     for g in pool.run(n, cases.gathered_and_born):

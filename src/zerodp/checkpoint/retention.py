@@ -7,8 +7,10 @@ killed in the middle of replacing a checkpoint may leave `{path}.old-{id}`. Neit
 loaded (`latest` skips both), but they hold the disk. Each temporary directory names its
 writer (OWNER: host with its boot and pid namespace, pid, start time), written before the
 directory gets its `.tmp-` name (it is made as `{path}.staging-{id}` and renamed once OWNER
-is in it, and OWNER is removed only once the checkpoint has its final name, so a kill can
-never leave a `.tmp-` directory without one, not even during the commit); after every
+is in it, and OWNER is removed only once the checkpoint has its final name, so a kill
+during the commit leaves a `.tmp-` that names it; the one exception is the previous
+checkpoint swapped out under a `.tmp-` name by an in-place replacement, which a kill before
+its removal leaves unnamed: removed a day later, as any unnamed one); after every
 successful save rank 0 removes the siblings whose writer is gone: on this host, a pid that
 no longer runs; elsewhere (a shared filesystem, another container), one older than a day. A save in progress, by this job or another, is
 never touched. `.old-` and `.staging-` directories live for the milliseconds of a commit or

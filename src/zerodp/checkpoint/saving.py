@@ -13,7 +13,6 @@ synchronous `save` runs them in a row and an asynchronous one runs the last two 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -246,8 +245,12 @@ def finish(comm, path: str, tmp: str, status: dict, keep_last: Optional[int]) ->
             fileio.commit(tmp, path, files)
             # OWNER names the writer of an unfinished save only; it goes once the checkpoint has
             # its name, so that a kill during the commit leaves a `.tmp-` whose writer is named.
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.remove(os.path.join(path, OWNER))
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # the checkpoint is complete and trusted: a stray OWNER harms nothing
+                log.warning("checkpoint %s saved, but removing its %s file failed: %s", path, OWNER, e)
             result = {"ok": True}
         except Exception as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)

@@ -87,7 +87,10 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
     directory opened here is closed again if anything fails. `whole`: as for `flatten_groups`."""
     whole = list(whole) if whole else [False] * len(named)
-    units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params)
+    # Offloaded shards leave a sharded parameter's device on the host: a model that moves its
+    # ids to the embedding weight's device before calling it (Llama 4) needs it gathered there.
+    units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params,
+                         embedding_unit=offload.params == "none")
     trainable = {id(p) for _, p in named}
     frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in trainable]
     everything = named + frozen  # index < len(named): trainable

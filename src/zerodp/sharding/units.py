@@ -17,12 +17,14 @@ def runs(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list[tuple[str, nn.Module]]:
+def select_units(model: nn.Module, unit_modules: tuple, min_params: int,
+                 embedding_unit: bool = True) -> list[tuple[str, nn.Module]]:
     """(name, module) of every unit, the root last. With `unit_modules`, each instance of
     those classes (or class names) is a unit; else a Hugging Face model's
     `_no_split_modules` (its block classes) are; otherwise, bottom-up, each submodule that
     runs (see `runs`) and whose parameters not yet claimed by a unit below it reach
-    `min_params`; a container's parameters fall to the module that calls its children."""
+    `min_params`; a container's parameters fall to the module that calls its children.
+    `embedding_unit`: with the hint, an untied input embedding is a unit too (`_with_input_embedding`)."""
     named = list(model.named_modules())
     from_hint = False
     if not unit_modules:
@@ -44,7 +46,7 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int) -> list
             raise ValueError(f"Config.unit_modules={unit_modules!r} names containers that are never called, "
                              f"{idle[:3]}: a unit must be a module whose forward runs; name the block class "
                              f"inside the container instead")
-        if from_hint:
+        if from_hint and embedding_unit:
             units = _with_input_embedding(model, units)
     else:
         claimed: set = set()
@@ -67,7 +69,10 @@ def _with_input_embedding(model: nn.Module, blocks: list[tuple[str, nn.Module]])
     forward, and a frozen one (fed token ids) is never gathered in backward. The output
     layer stays with the root: trainers read its weight outside its forward (TRL's chunked
     log-probabilities multiply by `lm_head.weight`), which only the root's forward encloses.
-    Tied, the shared weight belongs to the root (`assign_params`) and so does the embedding."""
+    Tied, the shared weight belongs to the root (`assign_params`) and so does the embedding.
+    A model that reads the embedding's weight outside its forward (a few do, e.g. to project
+    back onto the vocabulary) needs `Config.unit_modules` set to its block classes, which
+    leaves the embedding to the root."""
     def get(getter: str):
         try:
             module = getattr(model, getter)() if hasattr(model, getter) else None
