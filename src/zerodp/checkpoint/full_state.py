@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..sharding.model_state import full_unit_tensors, serving_whole
+from ..sharding.units import embedding_modules
 from .format import PathLike, describe_error, plain_module, raise_if_failed
 from .tp_pieces import ranks_of, splits_of
 
@@ -40,15 +41,7 @@ def full_state_dict(model: nn.Module, optimizer, *, rank0_only: bool = False, cp
 
 def _embedding_ids(model: nn.Module) -> set:
     """The parameters of the model's input and output embeddings, where it names them."""
-    out = set()
-    for name in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            module = getattr(model, name)()
-        except (AttributeError, NotImplementedError):
-            module = None
-        if isinstance(module, nn.Module):
-            out |= {id(p) for p in module.parameters()}
-    return out
+    return {id(p) for module in embedding_modules(model) if module is not None for p in module.parameters()}
 
 
 def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, frozen_values: bool | str) -> dict:

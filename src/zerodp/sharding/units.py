@@ -5,9 +5,11 @@ flat_unit.py ([Note: unit storage]).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
-__all__ = ["assign_params", "encloses", "root_module", "runs", "select_units"]
+__all__ = ["assign_params", "embedding_modules", "encloses", "root_module", "runs", "select_units"]
 
 
 def runs(module: nn.Module) -> bool:
@@ -47,7 +49,7 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int,
                              f"{idle[:3]}: a unit must be a module whose forward runs; name the block class "
                              f"inside the container instead")
         if from_hint and embedding_unit:
-            units = _with_input_embedding(model, units)
+            units = _with_input_embedding(model, named, units)
     else:
         claimed: set = set()
         units = []
@@ -62,7 +64,21 @@ def select_units(model: nn.Module, unit_modules: tuple, min_params: int,
     return units + [("", root_module(model))]
 
 
-def _with_input_embedding(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def embedding_modules(model: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
+    """(input embedding, output layer) where the model names them (Hugging Face's
+    `get_input_embeddings` / `get_output_embeddings`), else None for either."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            module = None
+        found.append(module if isinstance(module, nn.Module) else None)
+    return found[0], found[1]
+
+
+def _with_input_embedding(model: nn.Module, named: list[tuple[str, nn.Module]],
+                          blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The blocks and, when untied from the output layer, the input embedding as a unit of
     its own (in model order), as the size rule would make it. Held by the root, it stays
     gathered from the first token to the end of backward; alone, it is freed after its
@@ -73,14 +89,7 @@ def _with_input_embedding(model: nn.Module, blocks: list[tuple[str, nn.Module]])
     A model that reads the embedding's weight outside its forward (a few do, e.g. to project
     back onto the vocabulary) needs `Config.unit_modules` set to its block classes, which
     leaves the embedding to the root."""
-    def get(getter: str):
-        try:
-            module = getattr(model, getter)() if hasattr(model, getter) else None
-        except (AttributeError, NotImplementedError):
-            module = None
-        return module if isinstance(module, nn.Module) else None
-
-    embedding, head = get("get_input_embeddings"), get("get_output_embeddings")
+    embedding, head = embedding_modules(model)
     if embedding is None or embedding is root_module(model) or not runs(embedding):
         return blocks
     if head is not None and any(p is q for p in embedding.parameters() for q in head.parameters()):
@@ -88,7 +97,7 @@ def _with_input_embedding(model: nn.Module, blocks: list[tuple[str, nn.Module]])
     if any(m is embedding for _, b in blocks for m in b.modules()):
         return blocks
     chosen = {id(embedding)} | {id(m) for _, m in blocks}
-    return [(n, m) for n, m in model.named_modules() if id(m) in chosen and m is not model]
+    return [(n, m) for n, m in named if id(m) in chosen and m is not model]
 
 
 def root_module(model: nn.Module) -> nn.Module:
