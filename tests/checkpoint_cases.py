@@ -181,7 +181,7 @@ def saved_arrays(path) -> dict:
         for name, info in meta["params"].items():
             numel = int(np.prod(info["shape"]))
             for kind in ["master"] + [f"state/{k}" for k in meta["state_keys"]]:
-                out[(kind, name)] = reader.read_range(kind, name, info["pieces"], 0, numel, torch.float32)
+                out[(kind, name)] = reader.read_runs(kind, name, info, [(0, 0, numel)], numel, torch.float32)
     return out, meta
 
 

@@ -189,8 +189,6 @@ BAD_INPUT = {
     "no_plan": lambda e: "has no tensor-parallel plan" in e,
     "meta": lambda e: "meta device" in e,
     "heads_3_over_2": lambda e: "n_head=3 does not split into 2" in e,
-    "save": lambda e: e.startswith("CheckpointError") and "transformer.h.0.mlp.c_fc.weight" in e
-    and "frozen and split by tensor parallelism" in e,
     "gqa_kv_2_over_4": lambda e: "num_key_value_heads=2 does not split into 4" in e,
     "gemma_scaled_embedding": lambda e: "not a plain nn.Embedding" in e,
     "state_dict": lambda e: "DTensors span the data-parallel ranks only" in e,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from harness import run_world
 from tp_cases import GPT_CFG, OPTIMIZERS, STEPS, reference
-from tp_checkpoint_cases import SAVE_DP, SAVE_TP, killed_while_saving, resume_case, save_case
+from tp_checkpoint_cases import SAVE_DP, SAVE_TP, frozen_split_case, killed_while_saving, resume_case, save_case
 from tp_slices import CHAIN_ROUNDING, adamw_bound, sgd_bound
 
 import zerodp
@@ -141,3 +141,39 @@ def test_a_save_killed_under_tensor_parallelism_leaves_the_previous_one(tmp_path
     consolidated = zerodp.consolidate(root / "step1", dtype=None)
     for k, v in at_step1.items():
         assert torch.equal(consolidated[k], v), k
+
+
+# (world size, tensor-parallel size, stage) of a save, and of the loads of its checkpoint:
+# frozen split parameters written as stage-3 runs and read whole-slice at stages 0-2, and the
+# other way round, across tensor-parallel sizes 2 -> 1 and 2 -> 2 with other data ranks.
+FROZEN_RUNS = {(4, 2, 3): [(2, 2, 1), (1, 1, 0)], (4, 2, 1): [(4, 1, 3), (2, 2, 3)]}
+
+
+@pytest.mark.parametrize("saved_at", list(FROZEN_RUNS))
+def test_frozen_parameters_split_by_tensor_parallelism_reshard_across_layouts(pool, tmp_path, saved_at):
+    """A frozen base the plan splits is checkpointed by its slices, each written by its
+    owner (never whole on one rank), and loads at any layout and stage exactly."""
+    world, tp, stage = saved_at
+    path = str(tmp_path / "frozen")
+    saved = pool.run(world, frozen_split_case, path, tp, stage, True, timeout_s=300)
+    want = saved[0]["full"]
+    assert all(r["full"].keys() == want.keys() for r in saved)
+    meta = json.load(open(os.path.join(path, METADATA)))
+    qkv = meta["frozen"]["transformer.h.0.attn.c_attn.weight"]  # written by both tensor-parallel ranks
+    assert qkv["split"] == {"dim": 0, "parts": 3, "size": 2} and {p[3] for p in qkv["pieces"]} == {0, 1}
+    assert qkv["shape"] == list(want["transformer.h.0.attn.c_attn.weight"].shape)
+    # Written once by its owner: a whole slice per tensor-parallel rank at stage 1, by data rank
+    # 0 (process ranks 0 and 1); runs of every process at stage 3. Never replicated whole.
+    ranks = {p[0] for p in qkv["pieces"]}
+    assert ranks == ({0, 1} if stage == 1 else {0, 1, 2, 3}), ranks
+    assert "transformer.h.0.attn.c_attn.weight" not in meta["replicated"]
+    assert "split" not in meta["frozen"].get("transformer.h.0.ln_1.weight", {})
+    sd = zerodp.consolidate(path)
+    GPT(GPT_CFG).load_state_dict(sd, strict=True)
+    for k, v in want.items():
+        assert torch.equal(sd[k], v), k
+    for load in FROZEN_RUNS[saved_at]:
+        for r in pool.run(load[0], frozen_split_case, path, *load[1:], False, timeout_s=300):
+            for k, v in want.items():
+                assert torch.equal(r["full"][k], v), (load, k)
+                assert torch.equal(r["pretrained"][k], v), (load, k)

@@ -99,3 +99,38 @@ def killed_while_saving(rank: int, world_size: int, root: str) -> str:
     ckpt_files.write_safetensors = cut
     zerodp.save(os.path.join(root, "step2"), model, opt)
     return "not killed"
+
+
+# A LoRA-like base under tensor parallelism: frozen parameters the plan splits (GPT-2's fused
+# q, k, v along dim 0 in 3 packed projections; the MLP's input projection) and a frozen one it
+# replicates (a norm), beside trainable ones.
+FROZEN = ("attn.c_attn.weight", "mlp.c_fc.weight", "ln_1.weight")
+
+
+def _frozen_model(seed: int, tp: int, stage: int):
+    model = build("gpt", seed=seed)
+    for name, p in model.named_parameters():
+        if name.endswith(FROZEN):
+            p.requires_grad_(False)
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, **({"unit_min_params": 1000} if stage == 3 else {}))
+    return zerodp.initialize(model, torch.optim.SGD, cfg, lr=0.5, momentum=0.9)
+
+
+def frozen_split_case(rank: int, world_size: int, path: str, tp: int, stage: int, saving: bool) -> dict:
+    """saving: one step at (world / tp) x tp and `stage`, then a save to `path`; else a load
+    of `path` into a model of other weights. Either way the whole model after, from every
+    rank (each rank's state dict is complete: frozen values included), and after a load also
+    `load_pretrained` of the consolidated checkpoint into a third model."""
+    dp = world_size // tp
+    model, opt = _frozen_model(rank if saving else 100 + rank, tp, stage)
+    if saving:
+        _train(model, opt, [0], dp, opt.comm.rank)
+        zerodp.save(path, model, opt)
+    else:
+        zerodp.load(path, model, opt)
+    out = {"full": zerodp.full_state_dict(model, opt)}
+    if not saving:
+        fresh, fresh_opt = _frozen_model(200 + rank, tp, stage)
+        zerodp.checkpoint.load_pretrained(fresh, zerodp.consolidate(path), fresh_opt)
+        out["pretrained"] = zerodp.full_state_dict(fresh, fresh_opt)
+    return out

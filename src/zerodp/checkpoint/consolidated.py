@@ -73,9 +73,10 @@ def consolidate(path: PathLike, dtype: torch.dtype | str | None = torch.float32)
             reader.tensor_slice(REPLICATED, k, info["shape"])  # the file's shape is metadata.json's
             t = reader.file(REPLICATED).get_tensor(k)
             replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        for k, info in meta["frozen"].items():  # frozen parameters a stage-3 save sharded
-            t = reader.read_range("frozen", k, info["pieces"], 0, math.prod(info["shape"]),
-                                  getattr(torch, info["dtype"])).view(info["shape"])
+        for k, info in meta["frozen"].items():  # frozen parameters saved as runs (stage 3, or split)
+            numel = math.prod(info["shape"])
+            t = reader.read_runs("frozen", k, info, [(0, 0, numel)] if numel else [], numel,
+                                 getattr(torch, info["dtype"])).view(info["shape"])
             replicated[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     for key, kind, src in meta["state_dict_keys"]:
         out[key] = params[src] if kind == "param" else replicated[src]
@@ -125,7 +126,7 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
             masters = [(s, read(s).to(torch.float32)) for s in optimizer.owned_slices() if s.numel]
             replicated = {k: source.tensor(k) for k in view.replicated}
             # Frozen parameters sharded at stage 3: each rank reads the rows of its runs only.
-            frozen = [(s, read(s)) for s in frozen_runs(optimizer) if s.numel]
+            frozen = [(s, read(s)) for s in frozen_runs(model, optimizer) if s.numel]
         local = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
         local = {"ok": False, "error": describe_error(e)}
@@ -180,9 +181,9 @@ def _pretrained_keys(view: ModelView, shapes: dict, slices: list, strict: bool, 
     names); raises listing missing, unexpected and mis-shaped names."""
     where, expected, found = {}, {}, {}
     # Full shapes (see `_read_for_rank`), a split parameter's the original's.
-    slice_shapes = {s.name: list(s.shape) for s in slices}
+    slice_shapes = {s.name: list(s.shape) if s.name not in splits else splits[s.name].global_shape(s.shape)
+                    for s in slices}
     slice_shapes.update(view.frozen)
-    slice_shapes = {n: shape if n not in splits else splits[n].global_shape(shape) for n, shape in slice_shapes.items()}
     for name, keys in [*view.aliases().items(), *view.aliases("frozen").items()]:
         key = next((k for k in keys if k in shapes), keys[0])
         where[name] = key

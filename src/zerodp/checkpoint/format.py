@@ -12,8 +12,8 @@ A checkpoint is one directory:
                             state/{key}/{name}/{start} (exp_avg, ...), param/{name}/{start}
                             (the compute-dtype value, only when it is not fp32: in fp32 the
                             master is the parameter), and frozen/{name}/{start} (a frozen
-                            parameter sharded at stage 3, in its own dtype; metadata's "frozen"
-                            lists its pieces as "params" does)
+                            parameter sharded at stage 3 or split by tensor parallelism, in its
+                            own dtype; metadata's "frozen" lists its pieces as "params" does)
     rank{r}.json            rank r's RNG states (torch, CUDA, python, numpy)
     replicated.safetensors  rank 0: buffers and frozen parameters of stages 0-2, by state_dict name
     COMPLETE                written last: size and sha256 of every other file
@@ -33,7 +33,10 @@ shapes, owned ranges), never the model: at stage 3 `model.state_dict()` holds 1-
 The model gives only names, which are trainable (by identity: tied weights too) and the
 replicated tensors, full at every stage. Frozen parameters are replicated at stages 0-2 and
 sharded at stage 3, where each rank writes its runs of them (`frozen_runs`); either form
-loads into either. Nothing is gathered, at stage 3 either.
+loads into either. Nothing is gathered, at stage 3 either. A frozen parameter the
+tensor-parallel plan split (a LoRA base under tensor parallelism) is never replicated
+whole: at stages 0-2 its slice is one run (`frozen_runs` again), written by data rank 0 of
+each tensor-parallel rank, with the split beside its pieces as a trainable one's.
 """
 from __future__ import annotations
 
@@ -44,7 +47,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..sharding.frozen import frozen_slices
+from ..memory.placement import Placement
+from ..sharding.frozen import FrozenSlice, frozen_slices
+from .tp_pieces import splits_of
 
 __all__ = ["CheckpointError", "InvalidCheckpoint", "ModelView", "PathLike", "frozen_runs", "model_view"]
 
@@ -105,7 +110,8 @@ class ModelView:
     keys: list  # [state_dict key, "param" | "frozen" | "replicated", source name], in state_dict order
     replicated: dict  # source name -> tensor
     trainable: set  # names of trainable parameters as owned_slices names them
-    frozen: dict = field(default_factory=dict)  # name of a sharded frozen parameter -> its full shape
+    # name of a frozen parameter held as runs (`frozen_runs`) -> its original (full) shape
+    frozen: dict = field(default_factory=dict)
 
     def aliases(self, kind: str = "param") -> dict:
         """Trainable (or sharded frozen) name -> every state_dict key that holds it (tied
@@ -124,25 +130,40 @@ def plain_module(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
-def frozen_runs(optimizer) -> list:
-    """This rank's runs of the frozen parameters stage 3 shards (none at stages 0-2)."""
-    return frozen_slices(optimizer.stage3.units) if optimizer.stage3 is not None else []
+def frozen_runs(model: nn.Module, optimizer) -> list:
+    """This rank's runs of the frozen parameters it writes and reads by pieces: those stage 3
+    shards, and at stages 0-2 the slices of those tensor-parallelism split (one run each)."""
+    if optimizer.stage3 is not None:
+        return frozen_slices(optimizer.stage3.units)
+    splits, seen, out = splits_of(optimizer), set(), []
+    for name, p in plain_module(model).named_parameters():
+        if name in splits and not p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(FrozenSlice(name, tuple(p.shape), p.dtype, 0, p.numel(), p.detach().view(-1), Placement()))
+    return out
 
 
 def model_view(model: nn.Module, optimizer) -> ModelView:
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    splits = splits_of(optimizer)
     units = optimizer.stage3.units if optimizer.stage3 is not None else []
-    sharded = {id(p): (n, shape) for u in units for part in u.frozen
-               for p, n, shape in zip(part.params, part.names, (s.shape for s in part.layout.slots))}
+    # Frozen parameters held as runs, by identity (a compiled model's names carry a prefix):
+    # stage 3's sharded ones, or at stages 0-2 those tensor parallelism split.
+    held = {id(p): (n, shape) for u in units for part in u.frozen
+            for p, n, shape in zip(part.params, part.names, (s.shape for s in part.layout.slots))}
+    if not units:
+        params = dict(plain_module(model).named_parameters())
+        held = {id(params[s.name]): (s.name, s.shape) for s in frozen_runs(model, optimizer)}
+    runs = {i: (n, list(shape) if n not in splits else splits[n].global_shape(shape)) for i, (n, shape) in held.items()}
     seen: dict = {}
     keys, replicated, frozen = [], {}, {}
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in trainable:
             keys.append([key, "param", trainable[id(t)]])
-        elif id(t) in sharded:
-            name, shape = sharded[id(t)]
+        elif id(t) in runs:
+            name, shape = runs[id(t)]
             keys.append([key, "frozen", name])
-            frozen[name] = list(shape)
+            frozen[name] = shape
         elif id(t) in seen:  # a tied frozen parameter or shared buffer: stored once
             keys.append([key, "replicated", seen[id(t)]])
         else:

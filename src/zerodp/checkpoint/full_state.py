@@ -57,6 +57,8 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
                      for p, slot in zip(part.params, part.layout.slots)}
     frozen_shapes.update({id(p): p.shape for p in model.parameters() if not p.requires_grad and id(p) not in
                           frozen_shapes})
+    frozen_shapes.update({id(p): torch.Size(splits[n].global_shape(frozen_shapes[id(p)]))  # the original's shape
+                          for n, p in model.named_parameters() if n in splits and id(p) in frozen_shapes})
     whole: dict[int, torch.Tensor] = {}  # id(parameter) -> a tensor of its own, not training memory
     for unit in units:
         parts = unit.parts() if frozen_values is True else ([] if unit.empty else [unit]) + [

@@ -138,12 +138,6 @@ class Reader(contextlib.ExitStack):
                                     f"{'' if dtype is None else ' ' + dtype}")
         return sl
 
-    def read_range(self, kind: str, name: str, pieces: list, start: int, numel: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """Elements [start, start+numel) of flattened parameter `name` saved without a
-        tensor-parallel split, from the pieces that overlap them (see [Note: checkpoint layout])."""
-        return self.read_runs(kind, name, {"pieces": pieces}, [(start, 0, numel)] if numel else [], numel, dtype)
-
     def read_runs(self, kind: str, name: str, info: dict, want: list, numel: int,
                   dtype: torch.dtype) -> torch.Tensor:
         """The `numel` elements of flattened parameter `name` that `want` names, as runs

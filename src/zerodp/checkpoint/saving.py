@@ -53,37 +53,30 @@ log = logging.getLogger(__name__)
 __all__ = ["Plan", "Snapshot", "finish", "plan", "take_snapshot", "write_files"]
 
 
-def _slices_to_write(optimizer) -> tuple[list, list]:
-    """This rank's share of the trainable state and of the frozen parameters stage 3 shards:
+def _slices_to_write(model, optimizer) -> tuple[list, list]:
+    """This rank's share of the trainable state and of the frozen parameters held as runs:
     stage 0 replicates the former, so (data) rank 0 alone writes it; under tensor
     parallelism a parameter left unsplit is the same on every tensor-parallel rank, so
-    tensor-parallel rank 0 alone writes it ([Note: tensor-parallel pieces])."""
+    tensor-parallel rank 0 alone writes it ([Note: tensor-parallel pieces]); a split frozen
+    parameter at stages 0-2 is whole on every data rank, so data rank 0 writes it."""
     if optimizer.comm.topology.replicate_rank != 0:  # hybrid sharding: row 0 writes, the others hold copies
         return [], []
     splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
-    frozen = [s for s in frozen_runs(optimizer) if s.numel > 0 and tp_rank == 0]  # never split: refused below
+    sharded = optimizer.stage3 is not None
+    frozen = [s for s in frozen_runs(model, optimizer) if s.numel > 0 and (tp_rank == 0 or s.name in splits)
+              and (sharded or optimizer.comm.rank == 0)]
     if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
         return [], frozen
     return [s for s in optimizer.owned_slices() if s.numel > 0 and (tp_rank == 0 or s.name in splits)], frozen
 
 
-def _piece(s, splits: dict, tp_rank: int) -> tuple:
-    """One owned slice as the plan exchanges it: its original shape, and for a split
-    parameter the split and the tensor-parallel rank whose slice `start` counts in."""
+def _piece(s, splits: dict, tp_rank: int, kind) -> tuple:
+    """One owned slice (or frozen run) as the plan exchanges it: its original shape, `kind`
+    (a trainable slice's param group, a frozen run's dtype), and for a split parameter the
+    split and the tensor-parallel rank whose slice `start` counts in."""
     split = splits.get(s.name)
     shape = list(s.shape) if split is None else split.global_shape(s.shape)
-    return (s.name, s.start, s.numel, shape, s.group, split_info(split), tp_rank)
-
-
-def _refuse_split_frozen(model, optimizer) -> None:
-    """A frozen parameter is saved whole by rank 0 (replicated.safetensors), or as its
-    stage-3 runs without a split description; one the plan split would be one rank's slice."""
-    view = model_view(model, optimizer)
-    frozen = sorted(n for n in splits_of(optimizer) if n in view.replicated or n in view.frozen)
-    if frozen:
-        raise CheckpointError(f"parameters {frozen[:5]} are frozen and split by tensor parallelism: the checkpoint "
-                              f"keeps frozen parameters without their split; leave them out of the tensor-parallel "
-                              f"plan, or make them trainable with lr 0")
+    return (s.name, s.start, s.numel, shape, kind, split_info(split), tp_rank)
 
 
 @dataclass
@@ -110,13 +103,12 @@ def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict) -> 
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
-        _refuse_split_frozen(model, optimizer)
         fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
-        slices, frozen = _slices_to_write(optimizer)
+        slices, frozen = _slices_to_write(model, optimizer)
         splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
-                 "pieces": [_piece(s, splits, tp_rank) for s in slices],
-                 "frozen": [(s.name, s.start, s.numel, list(s.shape), dtype_name(s.dtype)) for s in frozen],
+                 "pieces": [_piece(s, splits, tp_rank, s.group) for s in slices],
+                 "frozen": [_piece(s, splits, tp_rank, dtype_name(s.dtype)) for s in frozen],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
         if rank == 0:  # the directory gets its name only with its writer named: [Note: stale leftovers]
@@ -287,8 +279,13 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
                 p["pieces"].append([r, start, numel, tp_rank])
     frozen: dict = {}
     for r, st in enumerate(agreed):
-        for name, start, numel, shape, dtype in st["frozen"]:
-            frozen.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})["pieces"].append([r, start, numel])
+        for name, start, numel, shape, dtype, split, tp_rank in st["frozen"]:
+            p = frozen.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+            if split is None:
+                p["pieces"].append([r, start, numel])
+            else:
+                p["split"] = split
+                p["pieces"].append([r, start, numel, tp_rank])
     for p in [*params.values(), *frozen.values()]:
         p["pieces"].sort(key=lambda piece: (piece[3:], piece[1]))
     scalars = [{} for _ in optimizer.inner.param_groups]

@@ -173,23 +173,26 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     # Shapes from the file itself, against the model's: copy_ would broadcast a [1] silently.
     replicated = {}
     for k, t in view.replicated.items():
-        if k in meta["frozen"]:  # sharded by a stage-3 save
+        if k in meta["frozen"]:  # held as runs by the save (stage 3, or split by tensor parallelism)
             info = meta["frozen"][k]
-            replicated[k] = reader.read_range("frozen", k, info["pieces"], 0, t.numel(),
-                                              getattr(torch, info["dtype"])).view(t.shape)
+            replicated[k] = reader.read_runs("frozen", k, info, [(0, 0, t.numel())] if t.numel() else [], t.numel(),
+                                             getattr(torch, info["dtype"])).view(t.shape)
             continue
         reader.tensor_slice(REPLICATED, k, list(t.shape))
         replicated[k] = reader.file(REPLICATED).get_tensor(k)
     frozen = []
-    for s in frozen_runs(optimizer):
+    for s in frozen_runs(model, optimizer):
+        want = local_runs(view.frozen[s.name], splits.get(s.name), tp_rank, s.start, s.numel)
         if s.name in meta["frozen"]:
             info = meta["frozen"][s.name]
-            frozen.append((s, reader.read_range("frozen", s.name, info["pieces"], s.start, s.numel,
-                                                getattr(torch, info["dtype"]))))
-        else:  # replicated by a stage 0-2 save
-            sl = reader.tensor_slice(REPLICATED, s.name, list(s.shape))
-            frozen.append((s, sl[:].reshape(-1)[s.start: s.start + s.numel] if len(s.shape) == 0
-                           else flat_range(reader.file(REPLICATED), s.name, list(s.shape), s.start, s.numel)))
+            frozen.append((s, reader.read_runs("frozen", s.name, info, want, s.numel, getattr(torch, info["dtype"]))))
+        else:  # replicated whole by a save at stages 0-2 without its split
+            shape = view.frozen[s.name]
+            reader.tensor_slice(REPLICATED, s.name, shape)
+            f = reader.file(REPLICATED)
+            frozen.append((s, torch.cat([f.get_tensor(s.name).reshape(-1)[g: g + n] if len(shape) == 0
+                                         else flat_range(f, s.name, shape, g, n) for g, _, n in want])
+                           if want else torch.empty(0)))
     ranks = ranks_of(optimizer)
     rng = None
     # A rank's random state is its place's: the same world split the same way.
