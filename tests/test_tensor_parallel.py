@@ -191,7 +191,6 @@ BAD_INPUT = {
     "heads_3_over_2": lambda e: "n_head=3 does not split into 2" in e,
     "gqa_kv_2_over_4": lambda e: "num_key_value_heads=2 does not split into 4" in e,
     "gemma_scaled_embedding": lambda e: "not a plain nn.Embedding" in e,
-    "state_dict": lambda e: "DTensors span the data-parallel ranks only" in e,
     "pa_without_checkpointing": lambda e: "no layer of the model is checkpointed" in e,
     # Config.debug: the GPT's unsplit parameters agree across tensor-parallel ranks; the
     # gate on split activations does not, and is named.

@@ -134,3 +134,34 @@ def frozen_split_case(rank: int, world_size: int, path: str, tp: int, stage: int
         zerodp.checkpoint.load_pretrained(fresh, zerodp.consolidate(path), fresh_opt)
         out["pretrained"] = zerodp.full_state_dict(fresh, fresh_opt)
     return out
+
+
+def dcp_save_case(rank: int, world_size: int, root: str) -> dict:
+    """2 x 2 stage 3, AdamW: the first step, then torch.distributed.checkpoint (DCP) of
+    `get_state_dict`'s model and optimizer state dicts to `root/dcp`, and zerodp's own save
+    of the same state to `root/dcp-ref` for an element-by-element comparison."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _initialize(rank, "adamw", SAVE_TP, SAVE_STAGE)
+    _train(model, opt, [0], SAVE_DP, opt.comm.rank)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp"))
+    zerodp.save(os.path.join(root, "dcp-ref"), model, opt)
+    return {"full": zerodp.full_state_dict(model, opt)}
+
+
+def dcp_load_case(rank: int, world_size: int, root: str, tp: int, stage: int) -> dict:
+    """`root/dcp` loaded through DCP at (world / tp) x tp and `stage` into a model of other
+    weights; the whole model as loaded, and zerodp's save of the loaded state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dp = world_size // tp
+    model, opt = _initialize(100 + rank, "adamw", tp, stage)
+    msd, osd = get_state_dict(model, opt)  # templates: this layout's DTensors
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    path = zerodp.save(os.path.join(root, f"dcp-{dp}x{tp}-stage{stage}"), model, opt)
+    return {"full": zerodp.full_state_dict(model, opt), "path": path}

@@ -131,6 +131,31 @@ class Topology:
                 "node": self.shard_rank % self.node_size,
                 "cross_node": self.shard_rank // self.node_size, "tp": self.tp_rank}[_axis(axis)]
 
+    def tensor_parallel_mesh(self) -> DeviceMesh:
+        """Every process as a ("tp", ["replicate",] "shard") mesh: the tensor-parallel axis
+        outermost, so that a DTensor on it cuts a parameter into tensor-parallel slices first
+        and then each slice's rows over the data-parallel ranks, as zerodp holds them ([Note:
+        row shards] in sharding/rows.py). Built once; no collective."""
+        key = ("tp-mesh", self.tp_group.group_name, self.device.type)
+        built = _MESHES.get(key)
+        if built is not None and built[0] is self.tp_group:
+            return built[1]
+        world = self.process_count
+        data = world // self.tp_size
+        if self.mesh is None:  # one data-parallel rank
+            mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh_dim_names=("tp",))
+        else:
+            # Process rank = data rank x tp_size + tp rank; data rank = replicate row x shard_size + shard rank.
+            grid = torch.arange(world, dtype=torch.int).view(data, self.tp_size).t()
+            if self.replicate_size > 1:
+                grid = grid.reshape(self.tp_size, self.replicate_size, self.shard_size)
+                groups, names = [self.tp_group, self.replicate_group, self.shard_group], ("tp", "replicate", "shard")
+            else:
+                groups, names = [self.tp_group, self.shard_group], ("tp", "shard")
+            mesh = DeviceMesh.from_group(groups, self.device.type, mesh=grid.contiguous(), mesh_dim_names=names)
+        _MESHES[key] = (self.tp_group, mesh)
+        return mesh
+
     def with_node_axes(self) -> "Topology":
         """This topology with the shard axis split into ``node`` and ``cross_node`` (ZeRO++),
         nodes as torchrun says; each axis of one rank has no process group. Raises

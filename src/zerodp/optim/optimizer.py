@@ -101,7 +101,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               "params": [sharded.trainable[i][1] for i in idx]}
                              for g, idx in zip(inner.param_groups, sharded.group_indices)]
         # How state dicts cut the sharded states into DTensors: [Note: row shards].
-        self.rows = RowSharding(comm, sharded=config.stage >= 1)
+        self.rows = RowSharding(comm, sharded=config.stage >= 1,
+                                splits=self.tensor_parallel.splits if self.tensor_parallel is not None else None)
         self.grad_sync = sharded.schedule
         self.stage3 = sharded.stage3
         self.frozen_tensors = sharded.frozen

@@ -11,7 +11,9 @@ states once a step updated it: none before the first step, none for a parameter 
 has reached. Under bf16/fp16 each parameter also has "master": its fp32 master weights,
 which the compute-dtype model state dict rounds; loading restores them exactly. Loading
 accepts the same DTensors or full tensors (from a full state dict), at any world size and
-stage, and leaves the optimizer with the dict's states, as torch's does.
+stage, and leaves the optimizer with the dict's states, as torch's does. Under tensor
+parallelism the DTensors have the original's shape on the (tp, shard) mesh ([Note: row
+shards] in sharding/rows.py), so they load at any tensor-parallel size too.
 """
 from __future__ import annotations
 
@@ -160,7 +162,7 @@ def _local_values(rows: RowSharding, shard, tensors: list, dtype: torch.dtype, d
             at = p.shard_start if sharded else p.flat_start
             local[at: at + p.numel].copy_(t.reshape(-1))
     if sharded:
-        wanted = {i: rows.row_range(layout.slots[i].shape) for i in st.indices}
+        wanted = {i: rows.range_of(layout.slots[i].shape, st.names[i]) for i in st.indices}
         return gather_runs(layout, local, st.collectives, wanted, "checkpoint")
     return {i: local[layout.slots[i].offset: layout.slots[i].offset + layout.slots[i].numel] for i in st.indices}
 
@@ -175,7 +177,6 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
     torch's, it creates nothing: before the first step it holds no state (under bf16/fp16
     the master only). torch DCP's `get_state_dict` has the states created first, by a step
     at learning rate 0 (`ZeroOptimizer._is_state_probe`), as on any torch optimizer."""
-    rows.refuse_tensor_parallel("optimizer.state_dict()")
     pid_of, pid_of_name = _pid_of(opt)
     scaler = {SCALER_PREFIX + k: torch.tensor(float(v)) for k, v in opt.guard.scaler.state_dict().items()} \
         if opt.config.uses_loss_scaling else {}
@@ -190,7 +191,7 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
                 for i in st.indices:
                     if key == MASTER or st.names[i] in agreed.params:
                         state.setdefault(pid_of_name[st.names[i]], {})[key] = rows.wrap(
-                            values[i].clone(), st.layout.slots[i].shape)
+                            values[i].clone(), st.layout.slots[i].shape, st.names[i])
             for i in st.indices:
                 scalars = agreed.params.get(st.names[i])
                 if scalars is not None:
@@ -255,7 +256,8 @@ def _plan_load(opt, sd: dict, rows: RowSharding) -> _Plan:
                             continue  # saved in fp32: the master restarts from the model's weights
                         raise ValueError(f"the optimizer state dict has no {key!r} for {st.names[i]}: load a state "
                                          f"dict saved from the same optimizer")
-                    found[i] = rows.unwrap(entry_of[i][key], st.layout.slots[i].shape, f"{st.names[i]}.{key}")
+                    found[i] = rows.unwrap(entry_of[i][key], st.layout.slots[i].shape, f"{st.names[i]}.{key}",
+                                           st.names[i])
                 if found:
                     plan.writes.append((shard, key, dtype, found))
             kept = set()
@@ -279,7 +281,6 @@ def load_sharded_state_dict(opt, sd: dict, rows: RowSharding) -> None:
     states in it has none after (a dict saved before the first step leaves none at all, and
     the next step is a first step). A bad state dict raises on every rank (they compare
     notes first), before anything changes."""
-    rows.refuse_tensor_parallel("optimizer.load_state_dict()")
     problem = None
     try:
         _check_structure(opt, sd)

@@ -26,7 +26,9 @@ collective). Replicated parameters and buffers are torch's business, untouched.
 shard-viewing parameters, as zerodp's own checkpoint code reads them (nor does it settle).
 
 Stages 0-2 hold the parameters whole, so torch's own state dict and copy are right; a
-sharded (DTensor) state dict is gathered whole first.
+sharded (DTensor) state dict is gathered whole first. Under tensor parallelism a split
+parameter is the rank's slice at every stage: its state dict value is a DTensor of the
+original's shape over the (tp, shard) mesh, and a load cuts the slice out of any form.
 """
 from __future__ import annotations
 
@@ -180,7 +182,6 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             return
         saving.keep_vars = keep_vars
         if not keep_vars and model not in _SERVED:  # the collective form, called by every rank
-            rows.refuse_tensor_parallel("the stage-3 model's state_dict()")
             settle()
 
     def state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -204,7 +205,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                 if not named:
                     continue
                 if rows.sharded:
-                    wanted = {i: rows.row_range(u.layout.slots[i].shape) for i in named}
+                    wanted = {i: rows.range_of(u.layout.slots[i].shape, u.names[i]) for i in named}
                     local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
                                         label=unit.label)
                     u.release_staged()
@@ -212,7 +213,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                     local = {i: u.shard[u.layout.slots[i].offset: u.layout.slots[i].offset + u.layout.slots[i].numel]
                              for i in named}
                 for i, keys in named.items():
-                    value = rows.wrap(local[i].detach(), u.layout.slots[i].shape)
+                    value = rows.wrap(local[i].detach(), u.layout.slots[i].shape, u.names[i])
                     for key in keys:
                         state_dict[key] = value
 
@@ -226,8 +227,8 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             for u in unit.parts():
                 named = present(u, state_dict, prefix, aliases)
                 if named:
-                    out.append((u, {i: rows.unwrap(state_dict[keys[-1]], u.layout.slots[i].shape, keys[-1])
-                                    for i, keys in named.items()}))
+                    out.append((u, {i: rows.unwrap(state_dict[keys[-1]], u.layout.slots[i].shape, keys[-1],
+                                                   u.names[i]) for i, keys in named.items()}))
         return out
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -236,7 +237,6 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             return
         aliases, todo, problem = _aliases(module, ours), [], None
         try:
-            rows.refuse_tensor_parallel("the stage-3 model's load_state_dict()")
             settle()
             try:
                 _refuse_assign(local_metadata)
@@ -288,13 +288,28 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
                             settle: Callable[[], None]) -> None:
     """Stages 0-2: torch's own state dict and load, on the model and each submodule, after
     `settle`; a sharded (DTensor) value is gathered whole first; a load calls `on_loaded`
-    with what it gave each trainable parameter."""
+    with what it gave each trainable parameter. Under tensor parallelism a split parameter
+    is its slice: the state dict gives it as a DTensor of the original's shape
+    (`RowSharding.wrap_slice`) and a load takes any form of the original, keeping the slice."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # the optimizer's names
-    loading = _Outermost()
+    split = {id(p): n for n, p in model.named_parameters() if n in rows.splits}
+    loading, saving = _Outermost(), _Outermost()
 
     def state_dict_pre_hook(module, prefix, keep_vars):
+        if split and saving.enter(module, prefix):
+            saving.keep_vars = keep_vars
         if not keep_vars:
             settle()
+
+    def state_dict_hook(module, state_dict, prefix, local_metadata):
+        if not saving.leave(module, prefix) or saving.keep_vars:
+            return
+        done: dict = {}  # a tied parameter is wrapped once (a collective for packed projections)
+        for name, p in module.named_parameters(remove_duplicate=False):  # the same order on every rank
+            if id(p) in split and prefix + name in state_dict:
+                if id(p) not in done:
+                    done[id(p)] = rows.wrap_slice(p.detach(), split[id(p)])
+                state_dict[prefix + name] = done[id(p)]
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
@@ -306,6 +321,11 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
             loading.abandon()
             raise
         settle()
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if id(p) in split and torch.is_tensor(state_dict.get(key)):
+                _, local = rows.unwrap(state_dict[key], tuple(p.shape), key, split[id(p)])
+                state_dict[key] = local.view(p.shape)
         for key in sorted(k for k, v in state_dict.items() if isinstance(v, DTensor)):  # same order on every rank
             state_dict[key] = rows.whole(state_dict[key], key)
         # In torch's order of copies, so that of a tied parameter's names the last one wins.
@@ -319,5 +339,7 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
 
     for m in model.modules():
         m.register_state_dict_pre_hook(state_dict_pre_hook)
+        if split:
+            m.register_state_dict_post_hook(state_dict_hook)
         m.register_load_state_dict_pre_hook(load_pre_hook)
         m.register_load_state_dict_post_hook(load_post_hook)

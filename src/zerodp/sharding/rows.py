@@ -17,11 +17,23 @@ elements too, and converting is moving runs:
 Only one segment is whole at a time (a unit at stage 3, a bucket at stages 1-2). A 0-d
 parameter has no rows: it is replicated, and only shard rank 0 contributes it. Values
 given in full need no collective: each rank copies out the elements it owns.
+
+Under tensor parallelism a rank holds its slice of a split parameter ([Note:
+tensor-parallel split] in tensor_parallel/split.py), and the DTensors live on a mesh of
+every process with the ``tp`` axis outermost (`Topology.tensor_parallel_mesh`):
+[Shard(dim) along tp, then the data axes as above], shape the original's. DTensor cuts
+along its mesh axes in order, so this is exactly "the slice, then the slice's rows": DCP
+writes each block once by its global offsets and reshards it to any layout, tensor
+parallelism or not. An unsplit parameter is Replicate() along tp (written once). A slice
+that is no block of the original (packed projections: GPT-2's q, k, v cut projection by
+projection) cannot be a DTensor: the state dict holds that parameter whole on every rank
+(its slice gathered over the data ranks, then the slices over the tensor-parallel ranks),
+which DCP treats as replicated; loading cuts any whole value back to the rank's slice.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -29,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..distributed import Comm
 from ..distributed.collectives import Collectives
 from ..memory.layout import FlatLayout
+from ..tensor_parallel.split import TensorSplit
 
 __all__ = ["RowSharding", "gather_runs", "scatter_runs", "copy_owned"]
 
@@ -36,24 +49,22 @@ __all__ = ["RowSharding", "gather_runs", "scatter_runs", "copy_owned"]
 class RowSharding:
     """How a sharded state dict cuts every parameter of one mesh into rows."""
 
-    def __init__(self, comm: Comm, sharded: bool):
+    def __init__(self, comm: Comm, sharded: bool, splits: Optional[Mapping[str, TensorSplit]] = None):
         # Unsharded (stage 0, one rank on the shard axis, no process group): plain tensors,
         # which torch's checkpointing treats as replicated.
         self.comm, self.topology = comm, comm.topology
         self.collectives = comm.collectives("shard")
         self.sharded = sharded and self.topology.mesh is not None and self.topology.shard_size > 1
         self.rank, self.size = self.topology.shard_rank, self.topology.shard_size
+        self.splits = dict(splits or {}) if self.topology.tp_size > 1 else {}
 
-    def refuse_tensor_parallel(self, what: str) -> None:
-        """The rows are DTensors over the data-parallel mesh only: under tensor parallelism
-        each tensor-parallel rank would describe its own slice under the parameter's name as
-        if it were the whole, and torch.distributed.checkpoint would keep one of them."""
-        tp = self.topology.tp_size
-        if tp > 1:
-            raise RuntimeError(f"{what} with Config.tensor_parallel_size={tp} is not supported: its DTensors span "
-                               f"the data-parallel ranks only. zerodp.save / zerodp.load checkpoint the model and "
-                               f"optimizer under tensor parallelism (loadable at any layout), and "
-                               f"zerodp.full_state_dict gives the whole model")
+    def _split(self, param: Optional[str]) -> Optional[TensorSplit]:
+        return self.splits.get(param) if param is not None else None
+
+    def _joined(self, split: Optional[TensorSplit]) -> bool:
+        """Whether a state dict holds the parameter whole on every rank: packed projections
+        (GPT-2's q, k, v) under tensor parallelism, whose slice is no block of the original."""
+        return split is not None and split.parts > 1
 
     def row_range(self, shape: Sequence[int], rank: Optional[int] = None) -> tuple[int, int]:
         """The elements [lo, hi) of the flattened parameter that `rank` holds as a DTensor."""
@@ -65,6 +76,11 @@ class RowSharding:
         per = -(-rows // self.size)
         return min(rank * per, rows) * inner, min((rank + 1) * per, rows) * inner
 
+    def range_of(self, shape: Sequence[int], param: Optional[str] = None) -> tuple[int, int]:
+        """What `wrap` needs of this rank's (slice of the) parameter: its rows, or all of it
+        for a parameter the state dict holds whole."""
+        return (0, math.prod(shape)) if self._joined(self._split(param)) else self.row_range(shape)
+
     def contribution(self, shape: Sequence[int]) -> tuple[int, int]:
         """What this rank puts into a reduce-scatter from rows: its rows; a replicated
         (0-d) parameter from shard rank 0 only, so that the sum counts it once."""
@@ -72,20 +88,50 @@ class RowSharding:
             return 0, 0
         return self.row_range(shape)
 
-    def _placements(self, shape) -> list:
-        axis = [Shard(0)] if len(shape) else [Replicate()]
-        return [Replicate()] + axis if self.topology.replicate_size > 1 else axis
+    def _placements(self, shape, split: Optional[TensorSplit] = None, rows: bool = True) -> list:
+        """A DTensor's placements: under tensor parallelism the ``tp`` axis first (the slice),
+        then the data-parallel axes: rows along ``shard`` (`rows`, when sharded), else replicated."""
+        axis = [Shard(0)] if len(shape) and rows and self.sharded else [Replicate()]
+        data = [Replicate()] + axis if self.topology.replicate_size > 1 else axis
+        if self.topology.tp_size == 1:
+            return data
+        return [Shard(split.dim) if split is not None else Replicate()] + \
+            (data if self.topology.mesh is not None else [])
 
-    def wrap(self, rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        """This rank's rows (flat) as the state dict's value: a DTensor when sharded."""
-        if not self.sharded:
-            return rows.view(tuple(shape))
-        lo, hi = self.row_range(shape)
-        local_shape = (hi - lo) // max(1, math.prod(shape[1:])) if len(shape) else None
-        local = rows.view((local_shape, *shape[1:]) if len(shape) else ())
-        stride = torch.empty(tuple(shape), device="meta").stride()
-        return DTensor.from_local(local, self.topology.mesh, self._placements(shape), run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+    def _mesh(self):
+        return self.topology.tensor_parallel_mesh() if self.topology.tp_size > 1 else self.topology.mesh
+
+    def wrap(self, rows: torch.Tensor, shape: Sequence[int], param: Optional[str] = None) -> torch.Tensor:
+        """This rank's rows (flat, `range_of`) of parameter `param` (its tensor-parallel slice
+        of shape `shape`) as the state dict's value: a DTensor when sharded or split, with the
+        original's shape; a packed projection under tensor parallelism whole (collective over
+        the tensor-parallel ranks)."""
+        return self._wrap(rows, shape, param, rows=True)
+
+    def wrap_slice(self, value: torch.Tensor, param: str) -> torch.Tensor:
+        """A parameter every data-parallel rank holds whole (stages 0-2), under tensor
+        parallelism: its slice `value` as a DTensor of the original's shape (or whole)."""
+        return self._wrap(value.reshape(-1), tuple(value.shape), param, rows=False)
+
+    def _wrap(self, flat: torch.Tensor, shape: Sequence[int], param: Optional[str], rows: bool) -> torch.Tensor:
+        split = self._split(param)
+        if self._joined(split):
+            return self._join(flat, shape, split, param)
+        if self.topology.tp_size == 1 and not (self.sharded and rows):
+            return flat.view(tuple(shape))
+        lo, hi = self.row_range(shape) if rows else (0, math.prod(shape))
+        local_rows = (hi - lo) // max(1, math.prod(shape[1:])) if len(shape) else None
+        local = flat.view((local_rows, *shape[1:]) if len(shape) else ())
+        full = tuple(split.global_shape(shape)) if split is not None else tuple(shape)
+        stride = torch.empty(full, device="meta").stride()
+        return DTensor.from_local(local, self._mesh(), self._placements(shape, split, rows), run_check=False,
+                                  shape=torch.Size(full), stride=stride)
+
+    def _join(self, flat: torch.Tensor, shape: Sequence[int], split: TensorSplit, param: str) -> torch.Tensor:
+        flat = flat.contiguous()
+        gathered = torch.empty((split.size, flat.numel()), dtype=flat.dtype, device=flat.device)
+        self.comm.collectives("tp").all_gather(gathered.view(-1), flat, "checkpoint", label=param)
+        return split.join([g.view(tuple(shape)) for g in gathered])
 
     def whole(self, value: torch.Tensor, name: str) -> torch.Tensor:
         """A state dict value whole: a DTensor cut as `wrap` cuts it is all-gathered along the
@@ -120,23 +166,33 @@ class RowSharding:
                 copy_owned(layout, collectives.rank, i, v.to(dtype), shard)
         return shard
 
-    def unwrap(self, value: torch.Tensor, shape: Sequence[int], name: str) -> tuple[str, torch.Tensor]:
+    def unwrap(self, value: torch.Tensor, shape: Sequence[int], name: str,
+               param: Optional[str] = None) -> tuple[str, torch.Tensor]:
         """("rows", this rank's rows, flat) for a DTensor cut as `wrap` cuts it, else
-        ("full", the whole flat value); raises naming `name` when the shape is wrong."""
-        if tuple(value.shape) != tuple(shape):
+        ("full", the whole flat value of this rank's slice `shape` of parameter `param`);
+        raises naming `name` when the shape is not the original's."""
+        split = self._split(param)
+        full_shape = tuple(split.global_shape(shape)) if split is not None else tuple(shape)
+        if tuple(value.shape) != full_shape:
             raise ValueError(f"{name}: the state dict holds shape {tuple(value.shape)}, the model's parameter is "
-                             f"{tuple(shape)}: load a state dict of this model")
+                             f"{full_shape}: load a state dict of this model")
         if isinstance(value, DTensor):
-            if self.sharded and value.device_mesh == self.topology.mesh and \
-                    tuple(value.placements) == tuple(self._placements(shape)):
+            ours = value.device_mesh == self._mesh() and not self._joined(split)
+            placements = tuple(value.placements)
+            if ours and self.sharded and placements == tuple(self._placements(shape, split, rows=True)):
                 local = value.to_local().detach().reshape(-1)
                 lo, hi = self.row_range(shape)
                 if local.numel() != hi - lo:
                     raise ValueError(f"{name}: the DTensor holds {local.numel()} elements on this rank, "
                                      f"its rows are {hi - lo}")
                 return "rows", local
+            if ours and placements == tuple(self._placements(shape, split, rows=False)):
+                return "full", value.to_local().detach().reshape(-1)  # this rank's whole slice
             value = value.full_tensor()  # cut another way (e.g. another mesh): whole, then ours
-        return "full", value.detach().reshape(-1)
+        value = value.detach()
+        if split is not None:
+            value = split.cut(value.reshape(full_shape), self.topology.tp_rank)
+        return "full", value.reshape(-1)
 
 
 def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
