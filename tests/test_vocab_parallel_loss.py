@@ -75,3 +75,8 @@ def test_models_train_through_their_own_loss_path_with_the_logits_split(trained)
         # Kept for backward: the gathered run keeps the whole vocabulary's logits (and its
         # log-softmax); the split run a half-vocabulary softmax.
         assert split["saved_bytes"] < gathered["saved_bytes"], (split["saved_bytes"], gathered["saved_bytes"])
+        # The ledger's logits_peak: the LM head's output, fp32, whole vocabulary when gathered
+        # and this rank's half when split (the memory the split loss saves).
+        for mode in ("gathered", "split"):
+            assert r[mode]["logits_peak"] == math.prod(r[f"{mode}_logits_shape"]) * 4, (kind, mode, r[mode])
+        assert 2 * split["logits_peak"] == gathered["logits_peak"]

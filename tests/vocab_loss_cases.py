@@ -96,5 +96,6 @@ def model_case(rank: int, world_size: int, kind: str) -> dict:
             losses.append(loss.item())
         with zerodp.gathered_parameters(model):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[mode] = {"losses": losses, "params": params, "saved_bytes": saved, "grad_max": grad_max}
+        out[mode] = {"losses": losses, "params": params, "saved_bytes": saved, "grad_max": grad_max,
+                     "logits_peak": opt.memory_report().logits_peak}
     return out

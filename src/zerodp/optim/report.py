@@ -57,6 +57,7 @@ def measure(opt) -> MemoryReport:
         world_size=opt.comm.shard_size, stage=opt.config.stage,  # the N states are divided by
         activation_checkpoints_on_host=by_place.get("activations_host", 0),
         activation_checkpoints_peak=store.peak_nbytes if store is not None else 0,
+        logits_peak=opt.tensor_parallel.logits_peak_nbytes if opt.tensor_parallel is not None else 0,
         gathered_params_peak=opt.stage3.gathered_peak_nbytes if opt.stage3 is not None else 0,
         alignment_padding=sum(lay.alignment_padding for lay in layouts),
         owned_numel=tuple(sum(lay.owned_numel(r) for lay in layouts) for r in range(opt.comm.shard_size))

@@ -34,6 +34,11 @@ class TensorParallelModel:
     splits: Mapping[str, TensorSplit]
     checkpoints: Optional[CheckpointStore]
     inputs: Optional[InputFingerprint] = None
+    heads: tuple = ()  # the tensor-parallel LM heads (ColumnParallelLinear), for the ledger's logits_peak
+
+    @property
+    def logits_peak_nbytes(self) -> int:
+        return max((h.logits_peak_nbytes for h in self.heads), default=0)
 
     @property
     def split_names(self) -> frozenset:
@@ -57,7 +62,8 @@ def parallelize(model: nn.Module, comm: Comm, policy: TensorParallelPolicy) -> O
         store.install(model)
     if not split and store is None:
         return None
-    return TensorParallelModel(split, store, inputs)
+    heads = tuple(m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.is_head)
+    return TensorParallelModel(split, store, inputs, heads)
 
 
 @torch.no_grad()

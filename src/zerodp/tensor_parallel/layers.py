@@ -134,14 +134,20 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.comm, self.region, self.gather_output = region.comm, region, gather_output
         self.rng = None if gather_output else rng
+        # The LM head (built gathering; `keep_logits_split` may stop the gather): the bytes of
+        # the largest logits it produced, for the memory ledger's `logits_peak`.
+        self.is_head = gather_output
+        self.logits_peak_nbytes = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.region(x)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
-            return gather_from_tp(y, self.comm)
-        if self.rng is not None:
+            y = gather_from_tp(y, self.comm)
+        elif self.rng is not None:
             self.rng.open()
+        if self.is_head:
+            self.logits_peak_nbytes = max(self.logits_peak_nbytes, y.numel() * y.element_size())
         return y
 
     def extra_repr(self) -> str:
