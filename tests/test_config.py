@@ -70,7 +70,6 @@ BAD = [
     ({"activations_on_host": 1}, "activations_on_host", "true or false"),
     ({"partition_activations": True}, "partition_activations", "tensor_parallel_size=1 has one"),
     ({"hpz": True, "stage": 3, "tensor_parallel_size": 2}, "hpz", "tensor_parallel_size=1"),
-    ({"quantize_weights": True, "stage": 3, "tensor_parallel_size": 2}, "quantize_weights", "tensor_parallel_size=1"),
     ({"quantize_grads": "int8", "stage": 3, "tensor_parallel_size": 2}, "quantize_grads", "tensor_parallel_size=1"),
     # Every numeric field, for finiteness and range (issue 22 item 23): inf was accepted, then
     # initialize raised an OverflowError naming nothing (the timeout), or fp16 skipped every

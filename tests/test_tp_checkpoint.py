@@ -146,7 +146,8 @@ def test_a_save_killed_under_tensor_parallelism_leaves_the_previous_one(tmp_path
 # (world size, tensor-parallel size, stage) of a save, and of the loads of its checkpoint:
 # frozen split parameters written as stage-3 runs and read whole-slice at stages 0-2, and the
 # other way round, across tensor-parallel sizes 2 -> 1 and 2 -> 2 with other data ranks.
-FROZEN_RUNS = {(4, 2, 3): [(2, 2, 1), (1, 1, 0)], (4, 2, 1): [(4, 1, 3), (2, 2, 3)]}
+FROZEN_RUNS = {(4, 2, 3): [(2, 2, 1), (1, 1, 0)], (4, 2, 1): [(4, 1, 3), (2, 2, 3)],
+               (2, 1, 1): [(4, 2, 3), (2, 2, 1)]}  # saved without tensor parallelism: replicated whole
 
 
 @pytest.mark.parametrize("saved_at", list(FROZEN_RUNS))
@@ -159,15 +160,22 @@ def test_frozen_parameters_split_by_tensor_parallelism_reshard_across_layouts(po
     want = saved[0]["full"]
     assert all(r["full"].keys() == want.keys() for r in saved)
     meta = json.load(open(os.path.join(path, METADATA)))
-    qkv = meta["frozen"]["transformer.h.0.attn.c_attn.weight"]  # written by both tensor-parallel ranks
-    assert qkv["split"] == {"dim": 0, "parts": 3, "size": 2} and {p[3] for p in qkv["pieces"]} == {0, 1}
-    assert qkv["shape"] == list(want["transformer.h.0.attn.c_attn.weight"].shape)
-    # Written once by its owner: a whole slice per tensor-parallel rank at stage 1, by data rank
-    # 0 (process ranks 0 and 1); runs of every process at stage 3. Never replicated whole.
-    ranks = {p[0] for p in qkv["pieces"]}
-    assert ranks == ({0, 1} if stage == 1 else {0, 1, 2, 3}), ranks
-    assert "transformer.h.0.attn.c_attn.weight" not in meta["replicated"]
-    assert "split" not in meta["frozen"].get("transformer.h.0.ln_1.weight", {})
+    norm = "transformer.h.0.ln_1.weight"  # frozen, never split: replicated at stage 1, runs at stage 3
+    if stage == 1:
+        assert norm in meta["replicated"] and norm not in meta["frozen"]
+    else:
+        assert norm not in meta["replicated"] and "split" not in meta["frozen"][norm]
+    if tp == 1:
+        assert "transformer.h.0.attn.c_attn.weight" in meta["replicated"] and not meta["frozen"]
+    else:
+        qkv = meta["frozen"]["transformer.h.0.attn.c_attn.weight"]  # written by both tensor-parallel ranks
+        assert qkv["split"] == {"dim": 0, "parts": 3, "size": 2} and {p[3] for p in qkv["pieces"]} == {0, 1}
+        assert qkv["shape"] == list(want["transformer.h.0.attn.c_attn.weight"].shape)
+        # Written once by its owner: a whole slice per tensor-parallel rank at stage 1, by data
+        # rank 0 (process ranks 0 and 1); runs of every process at stage 3. Never replicated whole.
+        ranks = {p[0] for p in qkv["pieces"]}
+        assert ranks == ({0, 1} if stage == 1 else {0, 1, 2, 3}), ranks
+        assert "transformer.h.0.attn.c_attn.weight" not in meta["replicated"]
     sd = zerodp.consolidate(path)
     GPT(GPT_CFG).load_state_dict(sd, strict=True)
     for k, v in want.items():
@@ -219,3 +227,20 @@ def test_dcp_state_dicts_under_tensor_parallelism_reshard_across_layouts(pool, t
     for name, p in plain.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(adamw.state[p][key].reshape(-1), ref[(f"state/{key}", name)]), (name, key)
+
+
+def test_state_dicts_under_tensor_parallelism_load_across_stages_and_inside_a_gathered_block(pool):
+    """2 x 2: a stage's DTensor state dict loads into a model at another stage (3 -> 2 -> 1 ->
+    3) exactly; inside `gathered_parameters` the stage-3 state dict has the original shapes
+    and values, and a full state dict loads there with modify=True."""
+    from tp_checkpoint_cases import state_dict_forms_case
+
+    plain = {n: tuple(p.shape) for n, p in GPT(GPT_CFG).state_dict().items()}
+    for rank, r in enumerate(pool.run(4, state_dict_forms_case, timeout_s=300)):
+        want = r["want"]
+        for step in ("3->2", "2->1", "1->3", "gathered_load"):
+            for k, v in want.items():
+                assert torch.equal(r[step][k], v), (rank, step, k)
+        assert r["inside_shapes"] == plain, rank
+        for k, v in want.items():
+            assert torch.equal(r["inside"][k], v), (rank, k)

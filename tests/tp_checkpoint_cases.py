@@ -165,3 +165,32 @@ def dcp_load_case(rank: int, world_size: int, root: str, tp: int, stage: int) ->
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     path = zerodp.save(os.path.join(root, f"dcp-{dp}x{tp}-stage{stage}"), model, opt)
     return {"full": zerodp.full_state_dict(model, opt), "path": path}
+
+
+def state_dict_forms_case(rank: int, world_size: int) -> dict:
+    """2 x 2: the DTensor state dicts of one stage loaded into a model at another (stage 3 into
+    2, 2 into 1, 1 into 3), each a model of other weights; inside `gathered_parameters` at
+    stage 3 the state dict has the original shapes, and a full state dict loads there. The
+    whole model after each (`full_state_dict`), and the shapes seen inside the block."""
+    out = {}
+    models = {}
+    for stage, seed in ((3, rank), (2, 100 + rank), (1, 200 + rank), (3, 300 + rank)):
+        models[len(models)] = _initialize(seed, "sgd", SAVE_TP, stage)
+    (s3, s3_opt), (s2, s2_opt), (s1, s1_opt), (other3, other3_opt) = models.values()
+    _train(s3, s3_opt, [0], SAVE_DP, s3_opt.comm.rank)
+    out["want"] = zerodp.full_state_dict(s3, s3_opt)
+    s2.load_state_dict(s3.state_dict())
+    out["3->2"] = zerodp.full_state_dict(s2, s2_opt)
+    s1.load_state_dict(s2.state_dict())
+    out["2->1"] = zerodp.full_state_dict(s1, s1_opt)
+    other3.load_state_dict(s1.state_dict())
+    out["1->3"] = zerodp.full_state_dict(other3, other3_opt)
+    with zerodp.gathered_parameters(s3):
+        inside = s3.state_dict()
+    out["inside_shapes"] = {k: tuple(v.shape) for k, v in inside.items()}
+    out["inside"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in inside.items()}
+    fresh, fresh_opt = _initialize(400 + rank, "sgd", SAVE_TP, 3)
+    with zerodp.gathered_parameters(fresh, modify=True, optimizer=fresh_opt):
+        fresh.load_state_dict(out["want"])
+    out["gathered_load"] = zerodp.full_state_dict(fresh, fresh_opt)
+    return out

@@ -51,3 +51,12 @@ def meta_case(rank: int, world_size: int, stage: int) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"params": local_params(model), "losses": losses, "ref": reference("gpt", "sgd", 2) if rank == 0 else None}
+
+
+QWZ_BLOCK = 64
+
+
+def qwz_case(rank: int, world_size: int) -> dict:
+    """tp_cases' run at 2 x 2 stage 3, plain and with qwZ (quantized weight gathers)."""
+    return {"plain": train("gpt", "sgd", 2, 2, 3, rank),
+            "qwz": train("gpt", "sgd", 2, 2, 3, rank, quantize_weights=True, quantize_block_size=QWZ_BLOCK)}

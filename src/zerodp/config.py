@@ -340,17 +340,16 @@ class Config:
             raise _bad("compile_units", True, "the tensor-parallel layers run their collectives inside the forward "
                                               "a compiled unit would trace: use compile_units=False, or "
                                               "tensor_parallel_size=1")
-        # Offload and hybrid sharding run beside it: a rank's shard of its slice goes to the host
-        # or disk as any shard does, and the data-parallel ranks form the replicate x shard mesh
-        # (docs/tensor_parallel.md, "Combinations"). ZeRO++ is refused, for the reason below.
+        # Offload, hybrid sharding and qwZ run beside it: a rank's shard of its slice goes to the
+        # host or disk as any shard does, the data-parallel ranks form the replicate x shard mesh,
+        # and qwZ's quantized gathers run on the shard axis alone (docs/tensor_parallel.md,
+        # "Combinations"). hpZ and qgZ are refused, for the reason below.
         tp = f"tensor_parallel_size={self.tensor_parallel_size}"
         reasons = {"hpz": f"hpZ keeps a copy per node, and under {tp} the data-parallel group skips the "
                           f"tensor-parallel ranks, over which ZeRO++'s node axes are not built",
                    "quantize_grads": f"qgZ reduces node by node, and under {tp} the data-parallel group skips the "
-                                     f"tensor-parallel ranks, over which ZeRO++'s node axes are not built",
-                   "quantize_weights": f"qwZ beside {tp} is not built and tested yet (its quantized gathers run "
-                                       f"on the shard axis alone, which may well suffice)"}
-        for name, off in (("hpz", False), ("quantize_weights", False), ("quantize_grads", None)):
+                                     f"tensor-parallel ranks, over which ZeRO++'s node axes are not built"}
+        for name, off in (("hpz", False), ("quantize_grads", None)):
             if getattr(self, name) != off:
                 raise _bad(name, getattr(self, name), f"{reasons[name]}; use {off!r}, or tensor_parallel_size=1")
 

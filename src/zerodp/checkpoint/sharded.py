@@ -190,9 +190,13 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
             shape = view.frozen[s.name]
             reader.tensor_slice(REPLICATED, s.name, shape)
             f = reader.file(REPLICATED)
-            frozen.append((s, torch.cat([f.get_tensor(s.name).reshape(-1)[g: g + n] if len(shape) == 0
-                                         else flat_range(f, s.name, shape, g, n) for g, _, n in want])
-                           if want else torch.empty(0)))
+            # One read of the rows that hold every run (a split along dim 1 has a run per row).
+            lo = min((g for g, _, _ in want), default=0)
+            hi = max((g + n for g, _, n in want), default=0)
+            block = (f.get_tensor(s.name).reshape(-1)[lo:hi] if len(shape) == 0
+                     else flat_range(f, s.name, shape, lo, hi - lo))
+            frozen.append((s, torch.cat([block[g - lo: g - lo + n] for g, _, n in want]) if want
+                           else torch.empty(0)))
     ranks = ranks_of(optimizer)
     rng = None
     # A rank's random state is its place's: the same world split the same way.

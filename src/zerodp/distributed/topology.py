@@ -136,9 +136,10 @@ class Topology:
         outermost, so that a DTensor on it cuts a parameter into tensor-parallel slices first
         and then each slice's rows over the data-parallel ranks, as zerodp holds them ([Note:
         row shards] in sharding/rows.py). Built once; no collective."""
-        key = ("tp-mesh", self.tp_group.group_name, self.device.type)
+        groups = (self.tp_group, self.replicate_group if self.replicate_size > 1 else None, self.shard_group)
+        key = ("tp-mesh", *(g.group_name if g is not None else None for g in groups), self.device.type)
         built = _MESHES.get(key)
-        if built is not None and built[0] is self.tp_group:
+        if built is not None and all(a is b for a, b in zip(built[0], groups)):
             return built[1]
         world = self.process_count
         data = world // self.tp_size
@@ -153,7 +154,7 @@ class Topology:
             else:
                 groups, names = [self.tp_group, self.shard_group], ("tp", "shard")
             mesh = DeviceMesh.from_group(groups, self.device.type, mesh=grid.contiguous(), mesh_dim_names=names)
-        _MESHES[key] = (self.tp_group, mesh)
+        _MESHES[key] = (groups, mesh)
         return mesh
 
     def with_node_axes(self) -> "Topology":

@@ -73,6 +73,11 @@ def merged_state_dict(model: nn.Module, optimizer, *, adapter: str = "default", 
     if not hasattr(peft_model, "get_base_model"):
         raise TypeError(f"{type(peft_model).__name__} is not a PEFT model (no get_base_model): there is nothing to merge")
     base = peft_model.get_base_model()
+    tp = optimizer.comm.topology.tp_size
+    if tp > 1:  # its gathered units hold each rank's tensor-parallel slices, not the original weights
+        raise NotImplementedError(f"merged_state_dict with Config.tensor_parallel_size={tp} is not built: merge "
+                                  f"from the one-process state dict instead (zerodp.consolidate of a checkpoint, or "
+                                  f"zerodp.full_state_dict, loaded into a plain PEFT model, then merge_and_unload)")
     _refuse_unmergeable(peft_model, base, adapter, LoraLayer)
     optimizer.settle()  # a delayed update reaches the parameters first
     keep = not rank0_only or optimizer.comm.rank == 0

@@ -197,8 +197,13 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             return
         for unit in units:
             # A gathered unit (inside gathered_parameters) holds its parameters whole, in
-            # place: torch's own state dict took the full values.
+            # place: torch's own state dict took the full values (of a split parameter, the
+            # rank's slice, given the original's shape as at stages 0-2).
             if unit.state is not UnitState.SHARDED and unit.exact:
+                for u, i, keys in _split_slots(unit, state_dict, prefix, aliases):
+                    value = rows.wrap_slice(state_dict[keys[0]], u.names[i])
+                    for key in keys:
+                        state_dict[key] = value
                 continue
             for u in unit.parts():
                 named = present(u, state_dict, prefix, aliases)
@@ -216,6 +221,11 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                     value = rows.wrap(local[i].detach(), u.layout.slots[i].shape, u.names[i])
                     for key in keys:
                         state_dict[key] = value
+
+    def _split_slots(unit, state_dict, prefix, aliases):
+        """(part, slot, keys) of the unit's parameters tensor parallelism split, in the state dict."""
+        return [(u, i, keys) for u in unit.parts() for i, keys in present(u, state_dict, prefix, aliases).items()
+                if u.names[i] in rows.splits]
 
     def found_in(state_dict, prefix, aliases) -> list:
         """(unit, {slot: unwrap's (kind, value)}) of every sharded unit the state dict has keys
@@ -247,6 +257,13 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         except BaseException:
             loading.abandon()
             raise
+        for unit in units:  # a gathered unit: torch copies into its whole parameters, a split one's slice
+            if unit.state is not UnitState.SHARDED:
+                for u, i, keys in _split_slots(unit, state_dict, prefix, aliases):
+                    for key in keys:
+                        value = state_dict[key]
+                        if isinstance(value, DTensor) or tuple(value.shape) != tuple(u.layout.slots[i].shape):
+                            state_dict[key] = rows.whole(value, key, u.layout.slots[i].shape, u.names[i])
         with torch.no_grad():
             for u, found in todo:  # the same keys on every rank
                 loading.loaded.update(_into_unit(u, found, rows))
@@ -321,11 +338,12 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
             loading.abandon()
             raise
         settle()
-        for name, p in module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if id(p) in split and torch.is_tensor(state_dict.get(key)):
-                _, local = rows.unwrap(state_dict[key], tuple(p.shape), key, split[id(p)])
-                state_dict[key] = local.view(p.shape)
+        for name, p in module.named_parameters(remove_duplicate=False):  # the same order on every rank
+            key, value = prefix + name, state_dict.get(prefix + name)
+            # A plain tensor of the slice's shape is this rank's slice (a per-rank state dict, or
+            # the model's own variables); anything else is the original, in any form.
+            if id(p) in split and torch.is_tensor(value) and (isinstance(value, DTensor) or value.shape != p.shape):
+                state_dict[key] = rows.whole(value, key, tuple(p.shape), split[id(p)])
         for key in sorted(k for k, v in state_dict.items() if isinstance(v, DTensor)):  # same order on every rank
             state_dict[key] = rows.whole(state_dict[key], key)
         # In torch's order of copies, so that of a tied parameter's names the last one wins.

@@ -128,16 +128,18 @@ class RowSharding:
                                   shape=torch.Size(full), stride=stride)
 
     def _join(self, flat: torch.Tensor, shape: Sequence[int], split: TensorSplit, param: str) -> torch.Tensor:
-        flat = flat.contiguous()
+        flat = flat.to(self.comm.device).contiguous()  # an offloaded shard's slice is on the host
         gathered = torch.empty((split.size, flat.numel()), dtype=flat.dtype, device=flat.device)
         self.comm.collectives("tp").all_gather(gathered.view(-1), flat, "checkpoint", label=param)
         return split.join([g.view(tuple(shape)) for g in gathered])
 
-    def whole(self, value: torch.Tensor, name: str) -> torch.Tensor:
-        """A state dict value whole: a DTensor cut as `wrap` cuts it is all-gathered along the
-        shard axis (padded rows, equal chunks), any other DTensor gathered by torch."""
-        shape = tuple(value.shape)
-        kind, flat = self.unwrap(value, shape, name)
+    def whole(self, value: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None,
+              param: Optional[str] = None) -> torch.Tensor:
+        """A state dict value whole (this rank's tensor-parallel slice `shape` of parameter
+        `param`, when split): a DTensor cut as `wrap` cuts it is all-gathered along the shard
+        axis (padded rows, equal chunks), any other DTensor gathered by torch."""
+        shape = tuple(value.shape) if shape is None else tuple(shape)
+        kind, flat = self.unwrap(value, shape, name, param)
         if kind == "full":
             return flat.view(shape)
         rows, inner = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
