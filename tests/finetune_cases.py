@@ -3,7 +3,7 @@ base, trained with zerodp, against one process stepping the same torch optimizer
 global batch; the frozen base sharded at stage 3 (its ledger against a hand count and a
 census of the storages the parameters point into); the natural save calls (PeftModel's and
 a plain HF model's own `save_pretrained`, called on every rank with is_main_process); TRL's
-SFTTrainer through `with_zerodp` against SFTTrainer under DDP, and its resume.
+SFTTrainer and DPOTrainer through `with_zerodp` against the same trainers under DDP, and their resume.
 
 Everything is built from configs from seed 0 (nothing downloaded). LoRA on every attention
 and MLP projection with random (not zero) B, so every adapter has a gradient from step 0,
@@ -276,41 +276,61 @@ def frozen_checkpoint(rank: int, world_size: int, root: str) -> dict:
 def _tokenizer():
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
     vocab = {f"t{i}": i for i in range(VOCAB - 2)}
     vocab.update({"<pad>": VOCAB - 2, "</s>": VOCAB - 1})
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")),
-                                                pad_token="<pad>", eos_token="</s>")
+    words = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = Whitespace()  # DPO's text columns: "t3 t17 ..."
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>")
 
 
-def _sft(out: str, config, resume=None, max_steps: int = STEPS, save: bool = False) -> dict:
+DPO_BETA = 0.1
+DPO_COMPLETION = 5  # tokens of each chosen and rejected answer (EOS added by TRL)
+
+
+def _trl(kind: str, out: str, config, resume=None, max_steps: int = STEPS, save: bool = False) -> dict:
+    """TRL's SFTTrainer ("sft") or DPOTrainer ("dpo": the reference is the base with the
+    adapters off, as TRL does given a peft_config) on the test Llama with LoRA, under DDP
+    (config None) or through `with_zerodp`: the logged loss of each step."""
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     from zerodp.integrations.hf import with_zerodp
 
-    rows = torch.randint(0, VOCAB - 2, (8, SEQ), generator=torch.Generator().manual_seed(3)).tolist()
-    data = Dataset.from_dict({"input_ids": rows})
-    args = SFTConfig(output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                     optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=10.0,
-                     logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, report_to=[],
-                     disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, dataloader_num_workers=0,
-                     packing=False, bf16=False)  # SFTConfig's default bf16=True: autocast under DDP, bf16 weights here
+    g = torch.Generator().manual_seed(3)
+    if kind == "sft":
+        cls, config_cls, extra = SFTTrainer, SFTConfig, {"packing": False}
+        data = Dataset.from_dict({"input_ids": torch.randint(0, VOCAB - 2, (8, SEQ), generator=g).tolist()})
+    else:
+        cls, config_cls, extra = DPOTrainer, DPOConfig, {"beta": DPO_BETA}
+
+        def text(n):
+            return " ".join(f"t{int(i)}" for i in torch.randint(0, VOCAB - 2, (n,), generator=g))
+        data = Dataset.from_dict({"prompt": [text(6) for _ in range(8)],
+                                  "chosen": [text(DPO_COMPLETION) for _ in range(8)],
+                                  "rejected": [text(DPO_COMPLETION) for _ in range(8)]})
+    args = config_cls(output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=10.0,
+                      logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, report_to=[],
+                      disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, dataloader_num_workers=0,
+                      bf16=False, **extra)  # TRL's default bf16=True: autocast under DDP, bf16 weights here
     kwargs = dict(model=base_model(), args=args, train_dataset=data, processing_class=_tokenizer(),
                   peft_config=lora_config())
     transformers.set_seed(1)
-    trainer = (SFTTrainer(**kwargs) if config is None
-               else with_zerodp(SFTTrainer)(zerodp_config=config, **kwargs))
+    trainer = cls(**kwargs) if config is None else with_zerodp(cls)(zerodp_config=config, **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return {e["step"]: float(e["loss"]) for e in trainer.state.log_history if "loss" in e}
 
 
-def sft_world(rank: int, world_size: int, root: str) -> dict:
+def trl_world(rank: int, world_size: int, root: str, kind: str) -> dict:
+    """The trainer under DDP and through with_zerodp at stage 3, and a zerodp run saved at
+    step 2 and resumed from that checkpoint."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
-    out = {"ddp": _sft(os.path.join(root, "ddp"), None),
-           "zerodp": _sft(os.path.join(root, "z3"), zerodp.Config(stage=3))}
-    _sft(os.path.join(root, "z3-saved"), zerodp.Config(stage=3), max_steps=2, save=True)
-    out["resumed"] = _sft(os.path.join(root, "z3-saved"), zerodp.Config(stage=3),
+    out = {"ddp": _trl(kind, os.path.join(root, "ddp"), None),
+           "zerodp": _trl(kind, os.path.join(root, "z3"), zerodp.Config(stage=3))}
+    _trl(kind, os.path.join(root, "z3-saved"), zerodp.Config(stage=3), max_steps=2, save=True)
+    out["resumed"] = _trl(kind, os.path.join(root, "z3-saved"), zerodp.Config(stage=3),
                           resume=os.path.join(root, "z3-saved", "checkpoint-2"))
     return out
 

@@ -109,16 +109,21 @@ def test_frozen_base_checkpoint_round_trips(pool, tmp_path):
         assert r["equal"], r
 
 
-def test_sft_trainer_with_zerodp_equals_sft_trainer_under_ddp(pool, tmp_path):
-    r = pool.run(2, cases.sft_world, str(tmp_path), timeout_s=600)[0]
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_trainer_with_zerodp_equals_the_trainer_under_ddp(pool, tmp_path, kind):
+    r = pool.run(2, cases.trl_world, str(tmp_path), kind, timeout_s=600)[0]
     assert list(r["zerodp"]) == list(r["ddp"]) == list(range(1, STEPS + 1)), r
     # Step 1: the same weights and batch, so the same loss exactly. Later steps: the runs
     # differ by the order the N gradients are summed; SGD at lr 0.5 (no momentum), to first
     # order sum_i g_i dp_i over <= TRAINABLE_MAX elements with |dp_i| <= 2 x (SGD_TOL scaled
-    # to lr 0.5): 20k x 2 x 5.7e-6 = 0.23. Weak (N = 2 sums are order-free, so the runs are
-    # expected bitwise equal); the parity grid above is the strict check of the engine.
+    # to lr 0.5) and |g_i| <= 1 for SFT's mean token loss: 20k x 2 x 5.7e-6 = 0.23. DPO's loss
+    # -log sigmoid(beta m) moves by <= beta |dm|, m a difference of two sums of <= T = 6 token
+    # log-probabilities (the completion and its EOS) of the policy: |g_i| <= 2 T beta = 1.2.
+    # Weak (N = 2 sums are order-free, so the runs are expected equal to rounding); the parity
+    # grid above is the strict check of the engine.
     assert r["zerodp"][1] == r["ddp"][1], r
-    bound = TRAINABLE_MAX * 2 * SGD_TOL * 0.5 / SGD_LR
+    grad = 1.0 if kind == "sft" else 2 * (cases.DPO_COMPLETION + 1) * cases.DPO_BETA
+    bound = grad * TRAINABLE_MAX * 2 * SGD_TOL * 0.5 / SGD_LR
     assert all(abs(r["zerodp"][s] - r["ddp"][s]) <= bound for s in r["ddp"]), r
     # Resumed from checkpoint-2 (the frozen base and adapters, zerodp's sharded checkpoint),
     # step 3 is the uninterrupted run's exactly: the same world, stage and batch.
