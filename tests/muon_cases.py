@@ -150,13 +150,18 @@ def diff(ours: dict, ref: nn.Module) -> float:
     return max(float((p - theirs[n].detach().float()).abs().max()) for n, p in ours.items())
 
 
-def parity_case(rank, world_size, stage, kind, precision="fp32", micro=1, clip=None, offload=None, units=()):
+def parity_case(rank, world_size, stage, kind, precision="fp32", micro=1, clip=None, offload=None, units=(),
+                offload_dir=None, offload_params=None):
     """zerodp against the one-process reference, and what the step communicated."""
     kw = dict(stage=stage, mixed_precision=precision, bucket_bytes=SMALL_BUCKET, unit_modules=units)
     if micro > 1:
         kw["grad_accumulation_steps"] = micro
     if offload:
         kw["offload_optimizer"] = offload
+    if offload_dir:
+        kw["offload_dir"] = offload_dir
+    if offload_params:
+        kw["offload_params"] = offload_params
     cfg = zerodp.Config(**kw)
     model, opt, volumes = train(kind, cfg, rank, micro, clip)
     ref = reference(kind, world_size, cfg.compute_dtype, micro, clip)

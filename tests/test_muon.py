@@ -91,9 +91,13 @@ def test_clipping(pool):
         assert r["diff"] <= RECIPE_TOL, r["diff"]
 
 
-def test_offloaded_optimizer(pool):
+@pytest.mark.parametrize("stage,offload,params", [(2, "host", None), (2, "disk", None), (3, "disk", "disk")])
+def test_offloaded_optimizer(pool, tmp_path, stage, offload, params):
+    """The whole matrices' masters and momentum in host memory or in files (and at stage 3
+    the parameters' shards too): the same step, exactly."""
     shapes = set()
-    for r in pool.run(2, cases.parity_case, 2, "recipe", offload="host"):
+    for r in pool.run(2, cases.parity_case, stage, "recipe", offload=offload, offload_params=params,
+                      offload_dir=str(tmp_path) if "disk" in (offload, params) else None):
         assert r["diff"] <= EXACT, r["diff"]
         shapes |= set(r["shapes"])
     assert {(13, 7), (9, 13)} <= shapes
