@@ -59,3 +59,24 @@ def test_release_free_heap_keeps_live_tensors():
     del garbage
     hostmem.release_free_heap()
     assert all(torch.equal(a, b) for a, b in zip(keep, expect))
+
+
+def test_a_per_step_release_skips_a_heap_with_little_free_memory(monkeypatch):
+    """Released pages are faulted in again by the next step: a per-step release trims only
+    a heap holding at least `min_free` free bytes; a release without it always trims."""
+    calls, free = [], {"bytes": 0}
+
+    def fake_info():
+        return hostmem._MallInfo2(fordblks=free["bytes"])
+    monkeypatch.setattr(hostmem, "_libc", lambda: (calls.append, fake_info))
+    free["bytes"] = hostmem.STEP_RELEASE_MIN_FREE - 1
+    hostmem.release_free_heap(min_free=hostmem.STEP_RELEASE_MIN_FREE)
+    assert calls == []
+    hostmem.release_free_heap()
+    assert calls == [0]
+    free["bytes"] = hostmem.STEP_RELEASE_MIN_FREE
+    hostmem.release_free_heap(min_free=hostmem.STEP_RELEASE_MIN_FREE)
+    assert calls == [0, 0]
+    # The real C library: glibc reports its free heap bytes.
+    monkeypatch.undo()
+    assert hostmem.free_heap_bytes() is None or hostmem.free_heap_bytes() >= 0

@@ -259,7 +259,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_sync.after_step()
         self.comm.ledger.end_step()
         if self.stepper.on_cpu:  # see [Note: long-lived host buffers]
-            hostmem.release_free_heap()
+            hostmem.release_free_heap(min_free=hostmem.STEP_RELEASE_MIN_FREE)
 
     def _run_step_hooks(self, post: bool) -> None:
         """torch.optim's step hooks (global ones and this optimizer's), in torch's order,

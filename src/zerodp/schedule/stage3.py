@@ -388,7 +388,7 @@ class Stage3Engine(BackwardSchedule):
         unit.accumulate_grads()
         unit.training_state = TrainingState.POST_BACKWARD
         if self._on_cpu:  # the unit's activations were just freed: [Note: long-lived host buffers]
-            hostmem.release_free_heap()
+            hostmem.release_free_heap(min_free=hostmem.STEP_RELEASE_MIN_FREE)
 
     def finish_backward(self) -> None:
         for unit in self.units:
