@@ -306,9 +306,10 @@ def _trl(kind: str, out: str, config, resume=None, max_steps: int = STEPS, save:
 
         def text(n):
             return " ".join(f"t{int(i)}" for i in torch.randint(0, VOCAB - 2, (n,), generator=g))
+        # TRL tokenizes prompt + completion as one string: each completion starts with its space.
         data = Dataset.from_dict({"prompt": [text(6) for _ in range(8)],
-                                  "chosen": [text(DPO_COMPLETION) for _ in range(8)],
-                                  "rejected": [text(DPO_COMPLETION) for _ in range(8)]})
+                                  "chosen": [" " + text(DPO_COMPLETION) for _ in range(8)],
+                                  "rejected": [" " + text(DPO_COMPLETION) for _ in range(8)]})
     args = config_cls(output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                       optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=10.0,
                       logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, report_to=[],

@@ -118,12 +118,14 @@ def test_trl_trainer_with_zerodp_equals_the_trainer_under_ddp(pool, tmp_path, ki
     # order sum_i g_i dp_i over <= TRAINABLE_MAX elements with |dp_i| <= 2 x (SGD_TOL scaled
     # to lr 0.5) and |g_i| <= 1 for SFT's mean token loss: 20k x 2 x 5.7e-6 = 0.23. DPO's loss
     # -log sigmoid(beta m) moves by <= beta |dm|, m a difference of two sums of <= T = 6 token
-    # log-probabilities (the completion and its EOS) of the policy: |g_i| <= 2 T beta = 1.2.
-    # Weak (N = 2 sums are order-free, so the runs are expected equal to rounding); the parity
-    # grid above is the strict check of the engine.
+    # log-probabilities (the completion and its EOS) of the policy: with each token's
+    # log-probability gradient element bounded by 1 as SFT's token loss is, |g_i| <= 2 T beta
+    # = 1.2, which scales both the parameter differences (SGD_TOL assumes 1) and their effect
+    # on the loss: x 1.2^2. Weak (N = 2 sums are order-free, so the runs are expected equal to
+    # rounding); the parity grid above is the strict check of the engine.
     assert r["zerodp"][1] == r["ddp"][1], r
     grad = 1.0 if kind == "sft" else 2 * (cases.DPO_COMPLETION + 1) * cases.DPO_BETA
-    bound = grad * TRAINABLE_MAX * 2 * SGD_TOL * 0.5 / SGD_LR
+    bound = grad ** 2 * TRAINABLE_MAX * 2 * SGD_TOL * 0.5 / SGD_LR
     assert all(abs(r["zerodp"][s] - r["ddp"][s]) <= bound for s in r["ddp"]), r
     # Resumed from checkpoint-2 (the frozen base and adapters, zerodp's sharded checkpoint),
     # step 3 is the uninterrupted run's exactly: the same world, stage and batch.

@@ -238,7 +238,7 @@ def test_state_dicts_under_tensor_parallelism_load_across_stages_and_inside_a_ga
     plain = {n: tuple(p.shape) for n, p in GPT(GPT_CFG).state_dict().items()}
     for rank, r in enumerate(pool.run(4, state_dict_forms_case, timeout_s=300)):
         want = r["want"]
-        for step in ("3->2", "2->1", "1->3", "gathered_load"):
+        for step in ("3->2", "2->1", "1->3", "gathered_load", "gathered_dtensor_load"):
             for k, v in want.items():
                 assert torch.equal(r[step][k], v), (rank, step, k)
         assert r["inside_shapes"] == plain, rank

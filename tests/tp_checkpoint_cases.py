@@ -193,4 +193,9 @@ def state_dict_forms_case(rank: int, world_size: int) -> dict:
     with zerodp.gathered_parameters(fresh, modify=True, optimizer=fresh_opt):
         fresh.load_state_dict(out["want"])
     out["gathered_load"] = zerodp.full_state_dict(fresh, fresh_opt)
+    dtensors = s3.state_dict()  # DTensors, split or not, loaded into gathered units
+    other, other_opt = _initialize(500 + rank, "sgd", SAVE_TP, 3)
+    with zerodp.gathered_parameters(other, modify=True, optimizer=other_opt):
+        other.load_state_dict(dtensors)
+    out["gathered_dtensor_load"] = zerodp.full_state_dict(other, other_opt)
     return out

@@ -136,10 +136,10 @@ class Topology:
         outermost, so that a DTensor on it cuts a parameter into tensor-parallel slices first
         and then each slice's rows over the data-parallel ranks, as zerodp holds them ([Note:
         row shards] in sharding/rows.py). Built once; no collective."""
-        groups = (self.tp_group, self.replicate_group if self.replicate_size > 1 else None, self.shard_group)
-        key = ("tp-mesh", *(g.group_name if g is not None else None for g in groups), self.device.type)
+        built_from = (self.tp_group, self.replicate_group if self.replicate_size > 1 else None, self.shard_group)
+        key = ("tp-mesh", *(g.group_name if g is not None else None for g in built_from), self.device.type)
         built = _MESHES.get(key)
-        if built is not None and all(a is b for a, b in zip(built[0], groups)):
+        if built is not None and all(a is b for a, b in zip(built[0], built_from)):
             return built[1]
         world = self.process_count
         data = world // self.tp_size
@@ -154,7 +154,7 @@ class Topology:
             else:
                 groups, names = [self.tp_group, self.shard_group], ("tp", "shard")
             mesh = DeviceMesh.from_group(groups, self.device.type, mesh=grid.contiguous(), mesh_dim_names=names)
-        _MESHES[key] = (groups, mesh)
+        _MESHES[key] = (built_from, mesh)
         return mesh
 
     def with_node_axes(self) -> "Topology":

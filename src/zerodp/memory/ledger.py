@@ -60,8 +60,9 @@ class MemoryReport:
     # axis, the parameter elements (padding not counted) whose master and states it holds.
     alignment_padding: int = 0
     owned_numel: tuple = ()
-    # Under tensor parallelism: the largest logits the LM head has produced on this rank, in
-    # bytes (whole vocabulary when gathered; this rank's slice under `keep_logits_split`).
+    # Under tensor parallelism: the largest logits the LM head has produced on this rank with
+    # gradients enabled (evaluation's are not counted), in bytes (whole vocabulary when
+    # gathered; this rank's slice under `keep_logits_split`).
     # Autograd holds them, not the engine, so they are a peak beside the categories, not in `total`.
     logits_peak: int = 0
 

@@ -257,13 +257,17 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
         except BaseException:
             loading.abandon()
             raise
-        for unit in units:  # a gathered unit: torch copies into its whole parameters, a split one's slice
+        for unit in units:  # a gathered unit: torch copies into its whole parameters (a split one's slice)
             if unit.state is not UnitState.SHARDED:
-                for u, i, keys in _split_slots(unit, state_dict, prefix, aliases):
-                    for key in keys:
-                        value = state_dict[key]
-                        if isinstance(value, DTensor) or tuple(value.shape) != tuple(u.layout.slots[i].shape):
-                            state_dict[key] = rows.whole(value, key, u.layout.slots[i].shape, u.names[i])
+                for u in unit.parts():
+                    for i, keys in present(u, state_dict, prefix, aliases).items():
+                        split = u.names[i] in rows.splits
+                        for key in keys:  # in the same order on every rank: DTensors gather
+                            value = state_dict[key]
+                            if isinstance(value, DTensor) or (split and
+                                                              tuple(value.shape) != tuple(u.layout.slots[i].shape)):
+                                state_dict[key] = rows.whole(value, key, u.layout.slots[i].shape,
+                                                             u.names[i] if split else None)
         with torch.no_grad():
             for u, found in todo:  # the same keys on every rank
                 loading.loaded.update(_into_unit(u, found, rows))

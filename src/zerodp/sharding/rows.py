@@ -128,10 +128,11 @@ class RowSharding:
                                   shape=torch.Size(full), stride=stride)
 
     def _join(self, flat: torch.Tensor, shape: Sequence[int], split: TensorSplit, param: str) -> torch.Tensor:
-        flat = flat.to(self.comm.device).contiguous()  # an offloaded shard's slice is on the host
+        home = flat.device  # an offloaded shard's slice is on the host: gathered on the comm's device, kept home
+        flat = flat.to(self.comm.device).contiguous()
         gathered = torch.empty((split.size, flat.numel()), dtype=flat.dtype, device=flat.device)
         self.comm.collectives("tp").all_gather(gathered.view(-1), flat, "checkpoint", label=param)
-        return split.join([g.view(tuple(shape)) for g in gathered])
+        return split.join([g.view(tuple(shape)) for g in gathered]).to(home)
 
     def whole(self, value: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None,
               param: Optional[str] = None) -> torch.Tensor:

@@ -135,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.region, self.gather_output = region.comm, region, gather_output
         self.rng = None if gather_output else rng
         # The LM head (built gathering; `keep_logits_split` may stop the gather): the bytes of
-        # the largest logits it produced, for the memory ledger's `logits_peak`.
+        # the largest logits it produced with gradients enabled, for the ledger's `logits_peak`.
         self.is_head = gather_output
         self.logits_peak_nbytes = 0
 
@@ -146,7 +146,7 @@ class ColumnParallelLinear(nn.Module):
             y = gather_from_tp(y, self.comm)
         elif self.rng is not None:
             self.rng.open()
-        if self.is_head:
+        if self.is_head and torch.is_grad_enabled():  # training's logits, which autograd keeps; not evaluation's
             self.logits_peak_nbytes = max(self.logits_peak_nbytes, y.numel() * y.element_size())
         return y
 
