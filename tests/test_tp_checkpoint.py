@@ -187,46 +187,55 @@ def test_frozen_parameters_split_by_tensor_parallelism_reshard_across_layouts(po
                 assert torch.equal(r["pretrained"][k], v), (load, k)
 
 
-# (world size, tensor-parallel size, stage) of each DCP load of a 2 x 2 stage-3 DCP checkpoint.
+# (world size, tensor-parallel size, stage) of each DCP load of a 2 x 2 DCP checkpoint.
 DCP_LOADS = [(4, 1, 2), (2, 2, 1), (4, 2, 0), (4, 4, 3)]
 
 
-def test_dcp_state_dicts_under_tensor_parallelism_reshard_across_layouts(pool, tmp_path):
+@pytest.mark.parametrize("stage,frozen", [(3, False), (1, True)], ids=["stage3-adamw", "stage1-frozen-sgd"])
+def test_dcp_state_dicts_under_tensor_parallelism_reshard_across_layouts(pool, tmp_path, stage, frozen):
     """`get_state_dict` under tensor parallelism gives DTensors of the original shapes on a
     (tp, shard) mesh (packed projections whole), which DCP saves once per block and loads
-    at any layout and stage, and into one process's plain model and torch AdamW: the
-    weights, fp32 masters and every optimizer state exactly."""
+    at any layout and stage, and into one process's plain model and torch optimizer: the
+    weights, fp32 masters and every optimizer state exactly. Saved at 2 x 2 stage 3 with
+    AdamW, and at 2 x 2 stage 1 with SGD with momentum beside a frozen base the plan splits."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root = str(tmp_path)
-    from tp_checkpoint_cases import dcp_load_case, dcp_save_case
+    from tp_checkpoint_cases import FROZEN, dcp_load_case, dcp_save_case
 
-    saved = pool.run(4, dcp_save_case, root, timeout_s=300)
+    saved = pool.run(4, dcp_save_case, root, stage, frozen, timeout_s=300)
     want = saved[0]["full"]
     ref = whole_state(os.path.join(root, "dcp-ref"))
-    for world, tp, stage in DCP_LOADS:
-        loaded = pool.run(world, dcp_load_case, root, tp, stage, timeout_s=300)
+    for world, tp, load_stage in DCP_LOADS:
+        loaded = pool.run(world, dcp_load_case, root, tp, load_stage, frozen, timeout_s=300)
         for r in loaded:
             for k, v in want.items():
-                assert torch.equal(r["full"][k], v), (world, tp, stage, k)
+                assert torch.equal(r["full"][k], v), (world, tp, load_stage, k)
         after = whole_state(loaded[0]["path"])
         assert after.keys() == ref.keys()
         for k, v in ref.items():
-            assert torch.equal(after[k], v), (world, tp, stage, k)
-    # One process, no zerodp: torch's own model and AdamW read the same checkpoint.
+            assert torch.equal(after[k], v), (world, tp, load_stage, k)
+    # One process, no zerodp: torch's own model and optimizer read the same checkpoint.
     torch.manual_seed(5)
     plain = GPT(GPT_CFG)
-    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
-    msd, osd = get_state_dict(plain, adamw)
+    if frozen:
+        for name, p in plain.named_parameters():
+            p.requires_grad_(not name.endswith(FROZEN))
+        torch_opt, keys = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.5,
+                                          momentum=0.9), ("momentum_buffer",)
+    else:
+        torch_opt, keys = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1), ("exp_avg", "exp_avg_sq")
+    msd, osd = get_state_dict(plain, torch_opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
-    set_state_dict(plain, adamw, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(plain, torch_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for k, v in plain.state_dict().items():
         assert torch.equal(v, want[k]), k
     for name, p in plain.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(adamw.state[p][key].reshape(-1), ref[(f"state/{key}", name)]), (name, key)
+        if p.requires_grad:
+            for key in keys:
+                assert torch.equal(torch_opt.state[p][key].reshape(-1), ref[(f"state/{key}", name)]), (name, key)
 
 
 def test_state_dicts_under_tensor_parallelism_load_across_stages_and_inside_a_gathered_block(pool):

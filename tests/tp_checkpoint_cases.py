@@ -136,14 +136,19 @@ def frozen_split_case(rank: int, world_size: int, path: str, tp: int, stage: int
     return out
 
 
-def dcp_save_case(rank: int, world_size: int, root: str) -> dict:
-    """2 x 2 stage 3, AdamW: the first step, then torch.distributed.checkpoint (DCP) of
+def _dcp_model(seed: int, tp: int, stage: int, frozen: bool):
+    return _frozen_model(seed, tp, stage) if frozen else _initialize(seed, "adamw", tp, stage)
+
+
+def dcp_save_case(rank: int, world_size: int, root: str, stage: int = SAVE_STAGE, frozen: bool = False) -> dict:
+    """2 x 2 at `stage` (AdamW; or SGD with momentum beside the frozen split base of
+    `_frozen_model`): the first step, then torch.distributed.checkpoint (DCP) of
     `get_state_dict`'s model and optimizer state dicts to `root/dcp`, and zerodp's own save
     of the same state to `root/dcp-ref` for an element-by-element comparison."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _initialize(rank, "adamw", SAVE_TP, SAVE_STAGE)
+    model, opt = _dcp_model(rank, SAVE_TP, stage, frozen)
     _train(model, opt, [0], SAVE_DP, opt.comm.rank)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp"))
@@ -151,14 +156,14 @@ def dcp_save_case(rank: int, world_size: int, root: str) -> dict:
     return {"full": zerodp.full_state_dict(model, opt)}
 
 
-def dcp_load_case(rank: int, world_size: int, root: str, tp: int, stage: int) -> dict:
+def dcp_load_case(rank: int, world_size: int, root: str, tp: int, stage: int, frozen: bool = False) -> dict:
     """`root/dcp` loaded through DCP at (world / tp) x tp and `stage` into a model of other
     weights; the whole model as loaded, and zerodp's save of the loaded state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dp = world_size // tp
-    model, opt = _initialize(100 + rank, "adamw", tp, stage)
+    model, opt = _dcp_model(100 + rank, tp, stage, frozen)
     msd, osd = get_state_dict(model, opt)  # templates: this layout's DTensors
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
