@@ -34,7 +34,7 @@ The model gives only names, which are trainable (by identity: tied weights too) 
 replicated tensors, full at every stage. Frozen parameters are replicated at stages 0-2 and
 sharded at stage 3, where each rank writes its runs of them (`frozen_runs`); either form
 loads into either. Nothing is gathered, at stage 3 either. A frozen parameter the
-tensor-parallel plan split (a LoRA base under tensor parallelism) is never replicated
+tensor-parallel plan split (a base trained only in part) is never replicated
 whole: at stages 0-2 its slice is one run (`frozen_runs` again), written by data rank 0 of
 each tensor-parallel rank, with the split beside its pieces as a trainable one's.
 """
