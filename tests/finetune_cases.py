@@ -290,7 +290,8 @@ DPO_COMPLETION = 5  # tokens of each chosen and rejected answer (EOS added by TR
 
 def _trl(kind: str, out: str, config, resume=None, max_steps: int = STEPS, save: bool = False) -> dict:
     """TRL's SFTTrainer ("sft") or DPOTrainer ("dpo": the reference is the base with the
-    adapters off, as TRL does given a peft_config) on the test Llama with LoRA, under DDP
+    adapters off, as TRL does given a peft_config; "dpo_ref": the whole model trained beside
+    a reference model of its own, which stays outside zerodp) on the test Llama, under DDP
     (config None) or through `with_zerodp`: the logged loss of each step."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -315,8 +316,8 @@ def _trl(kind: str, out: str, config, resume=None, max_steps: int = STEPS, save:
                       logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, report_to=[],
                       disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, dataloader_num_workers=0,
                       bf16=False, **extra)  # TRL's default bf16=True: autocast under DDP, bf16 weights here
-    kwargs = dict(model=base_model(), args=args, train_dataset=data, processing_class=_tokenizer(),
-                  peft_config=lora_config())
+    kwargs = dict(model=base_model(), args=args, train_dataset=data, processing_class=_tokenizer())
+    kwargs.update(ref_model=base_model()) if kind == "dpo_ref" else kwargs.update(peft_config=lora_config())
     transformers.set_seed(1)
     trainer = cls(**kwargs) if config is None else with_zerodp(cls)(zerodp_config=config, **kwargs)
     trainer.train(resume_from_checkpoint=resume)
