@@ -253,3 +253,16 @@ def test_state_dicts_under_tensor_parallelism_load_across_stages_and_inside_a_ga
         assert r["inside_shapes"] == plain, rank
         for k, v in want.items():
             assert torch.equal(r["inside"][k], v), (rank, k)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_model_s_own_save_pretrained_writes_the_whole_model(pool, tmp_path, stage):
+    """Under tensor parallelism the state dict holds DTensors at every stage: the model's
+    own `save_pretrained`, called on every rank with `is_main_process`, writes the one-process
+    model, which `from_pretrained` loads (it wrote each rank's slices at stages 0-2 before)."""
+    from tp_checkpoint_cases import save_pretrained_case
+
+    r = pool.run(4, save_pretrained_case, str(tmp_path), stage, timeout_s=300)[0]
+    assert r["loaded"].keys() == r["full"].keys()
+    for k, v in r["loaded"].items():
+        assert torch.equal(v, r["full"][k]), k

@@ -204,3 +204,20 @@ def state_dict_forms_case(rank: int, world_size: int) -> dict:
         other.load_state_dict(dtensors)
     out["gathered_dtensor_load"] = zerodp.full_state_dict(other, other_opt)
     return out
+
+
+def save_pretrained_case(rank: int, world_size: int, root: str, stage: int) -> dict:
+    """HF Llama at 2 x 2: its own `save_pretrained(dir, is_main_process=...)`, called on every
+    rank as the Trainer calls it; rank 0 reads the folder back with `from_pretrained`."""
+    from transformers import LlamaForCausalLM
+
+    model, opt = zerodp.initialize(build("llama", seed=rank), torch.optim.SGD,
+                                   zerodp.Config(stage=stage, tensor_parallel_size=SAVE_TP), lr=0.1)
+    full = zerodp.full_state_dict(model, opt)
+    path = os.path.join(root, f"pretrained-stage{stage}")
+    model.save_pretrained(path, is_main_process=rank == 0)
+    torch.distributed.barrier()
+    if rank != 0:
+        return {}
+    loaded = LlamaForCausalLM.from_pretrained(path).state_dict()
+    return {"full": full, "loaded": loaded}

@@ -165,6 +165,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         opt = ZeroOptimizer(inner, ShardedModel([[g] for g in flat.groups], named, group_indices, reducer,
                                                 tensor_parallel=tensor_parallel, frozen=lambda: frozen), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
+        if comm.topology.tp_size > 1:  # split parameters' state dict values are DTensors here too
+            install_save_pretrained(model, opt)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
     if config.compile_units:  # docs/compile.md: the hooks above stay outside the compiled code

@@ -325,6 +325,12 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
     def state_dict_hook(module, state_dict, prefix, local_metadata):
         if not saving.leave(module, prefix) or saving.keep_vars:
             return
+        served = _SERVED.get(model)
+        if served is not None:  # inside `serving_whole`: the whole values given, on this rank alone, no collective
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if id(p) in served and prefix + name in state_dict:
+                    state_dict[prefix + name] = served[id(p)]
+            return
         done: dict = {}  # a tied parameter is wrapped once (a collective for packed projections)
         for name, p in module.named_parameters(remove_duplicate=False):  # the same order on every rank
             if id(p) in split and prefix + name in state_dict:
