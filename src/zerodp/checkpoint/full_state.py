@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..sharding.model_state import full_unit_tensors, serving_whole
+from ..sharding.rows import gather_split
 from ..sharding.units import embedding_modules
 from .format import PathLike, describe_error, plain_module, raise_if_failed
 from .tp_pieces import ranks_of, splits_of
@@ -73,7 +74,7 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
                 whole[id(p)] = t.cpu() if cpu_offload else t
     for name, p in model.named_parameters():  # in the same order on every rank
         if name in splits and (frozen_values is True or p.requires_grad or (wanted and id(p) in wanted)):
-            full = _gather_split(optimizer.comm, whole.get(id(p), p.detach()), splits[name])
+            full = gather_split(optimizer.comm, whole.get(id(p), p.detach()), splits[name], label="full state dict")
             whole[id(p)] = full.to(device or full.device) if keep else None
     if not keep:
         return {}
@@ -85,14 +86,6 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
                             else t.detach().to(device or t.device, copy=True))
         result[key] = whole[id(t)]
     return result
-
-
-def _gather_split(comm, local: torch.Tensor, split) -> torch.Tensor:
-    """The original parameter from every tensor-parallel rank's slice."""
-    local = local.contiguous()
-    gathered = torch.empty((split.size, local.numel()), dtype=local.dtype, device=local.device)
-    comm.collectives("tp").all_gather(gathered.view(-1), local.view(-1), "checkpoint", label="full state dict")
-    return split.join([g.view(local.shape) for g in gathered])
 
 
 def install_save_pretrained(model: nn.Module, optimizer) -> None:

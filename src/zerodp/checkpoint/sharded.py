@@ -193,8 +193,7 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
             # One read of the rows that hold every run (a split along dim 1 has a run per row).
             lo = min((g for g, _, _ in want), default=0)
             hi = max((g + n for g, _, n in want), default=0)
-            block = (f.get_tensor(s.name).reshape(-1)[lo:hi] if len(shape) == 0
-                     else flat_range(f, s.name, shape, lo, hi - lo))
+            block = flat_range(f, s.name, shape, lo, hi - lo)
             frozen.append((s, torch.cat([block[g - lo: g - lo + n] for g, _, n in want]) if want
                            else torch.empty(0)))
     ranks = ranks_of(optimizer)

@@ -43,7 +43,7 @@ from ..distributed.collectives import Collectives
 from ..memory.layout import FlatLayout
 from ..tensor_parallel.split import TensorSplit
 
-__all__ = ["RowSharding", "gather_runs", "scatter_runs", "copy_owned"]
+__all__ = ["RowSharding", "copy_owned", "gather_runs", "gather_split", "scatter_runs"]
 
 
 class RowSharding:
@@ -128,11 +128,7 @@ class RowSharding:
                                   shape=torch.Size(full), stride=stride)
 
     def _join(self, flat: torch.Tensor, shape: Sequence[int], split: TensorSplit, param: str) -> torch.Tensor:
-        home = flat.device  # an offloaded shard's slice is on the host: gathered on the comm's device, kept home
-        flat = flat.to(self.comm.device).contiguous()
-        gathered = torch.empty((split.size, flat.numel()), dtype=flat.dtype, device=flat.device)
-        self.comm.collectives("tp").all_gather(gathered.view(-1), flat, "checkpoint", label=param)
-        return split.join([g.view(tuple(shape)) for g in gathered]).to(home)
+        return gather_split(self.comm, flat.view(tuple(shape)), split, label=param)
 
     def whole(self, value: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None,
               param: Optional[str] = None) -> torch.Tensor:
@@ -196,6 +192,17 @@ class RowSharding:
         if split is not None:
             value = split.cut(value.reshape(full_shape), self.topology.tp_rank)
         return "full", value.reshape(-1)
+
+
+def gather_split(comm: Comm, local: torch.Tensor, split: TensorSplit, label: str = "") -> torch.Tensor:
+    """The original parameter from every tensor-parallel rank's slice `local` (collective over
+    the ``tp`` axis), on `local`'s device: an offloaded slice on the host is gathered on the
+    comm's device and comes back home."""
+    home = local.device
+    flat = local.reshape(-1).to(comm.device).contiguous()
+    gathered = torch.empty((split.size, flat.numel()), dtype=flat.dtype, device=flat.device)
+    comm.collectives("tp").all_gather(gathered.view(-1), flat, "checkpoint", label=label)
+    return split.join([g.view(local.shape) for g in gathered]).to(home)
 
 
 def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
