@@ -266,3 +266,24 @@ def test_the_model_s_own_save_pretrained_writes_the_whole_model(pool, tmp_path, 
     assert r["loaded"].keys() == r["full"].keys()
     for k, v in r["loaded"].items():
         assert torch.equal(v, r["full"][k]), k
+
+
+def test_dcp_of_a_bf16_hugging_face_llama_under_tensor_parallelism(pool, tmp_path):
+    """The user's path: HF Llama (its own tensor-parallel plan and loss), bf16 with fp32
+    masters, AdamW, saved through DCP at 2 x 2 stage 3 and loaded at 1 x 2 stage 1 and 4 x 1
+    stage 2: weights, masters and moments bit for bit."""
+    from tp_checkpoint_cases import dcp_load_case, dcp_save_case
+
+    root = str(tmp_path)
+    want = pool.run(4, dcp_save_case, root, 3, False, "llama", timeout_s=300)[0]["full"]
+    ref = whole_state(os.path.join(root, "dcp-ref"))
+    assert {v.dtype for v in want.values() if v.is_floating_point()} == {torch.bfloat16}  # masters: fp32, in ref
+    for world, tp, stage in [(2, 2, 1), (4, 1, 2)]:
+        loaded = pool.run(world, dcp_load_case, root, tp, stage, False, "llama", timeout_s=300)
+        for r in loaded:
+            for k, v in want.items():
+                assert torch.equal(r["full"][k], v), (world, tp, stage, k)
+        after = whole_state(loaded[0]["path"])
+        assert after.keys() == ref.keys()
+        for k, v in ref.items():
+            assert torch.equal(after[k], v), (world, tp, stage, k)

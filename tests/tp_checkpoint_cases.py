@@ -19,19 +19,20 @@ SAVE_DP, SAVE_TP, SAVE_STAGE = 2, 2, 3
 GLOBAL = SAVE_DP * BATCH  # sequences per step, whatever the layout
 
 
-def _initialize(seed: int, opt_name: str, tp: int, stage: int):
-    model = build("gpt", seed=seed)
+def _initialize(seed: int, opt_name: str, tp: int, stage: int, kind: str = "gpt", precision: str = "fp32"):
+    model = build(kind, seed=seed)
     cls, kwargs = make_optimizer(opt_name)
-    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, **({"unit_min_params": 1000} if stage == 3 else {}))
+    cfg = zerodp.Config(stage=stage, tensor_parallel_size=tp, mixed_precision=precision,
+                        **({"unit_min_params": 1000} if stage == 3 else {}))
     return zerodp.initialize(model, cls, cfg, **kwargs)
 
 
-def _train(model, opt, steps, dp: int, dp_rank: int) -> list:
+def _train(model, opt, steps, dp: int, dp_rank: int, kind: str = "gpt") -> list:
     """tp_cases' global batches, this data-parallel rank's share of each."""
     per_rank, losses = GLOBAL // dp, []
     for step in steps:
         ids = global_batch(step, SAVE_DP)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        loss = loss_of("gpt", model, ids)
+        loss = loss_of(kind, model, ids)
         opt.backward(loss)
         opt.clip_grad_norm_(CLIP)
         opt.step()
@@ -136,34 +137,38 @@ def frozen_split_case(rank: int, world_size: int, path: str, tp: int, stage: int
     return out
 
 
-def _dcp_model(seed: int, tp: int, stage: int, frozen: bool):
+def _dcp_model(seed: int, tp: int, stage: int, frozen: bool, kind: str):
+    if kind == "llama":  # Hugging Face's Llama, bf16 with its fp32 master in the optimizer state dict
+        return _initialize(seed, "adamw", tp, stage, kind="llama", precision="bf16")
     return _frozen_model(seed, tp, stage) if frozen else _initialize(seed, "adamw", tp, stage)
 
 
-def dcp_save_case(rank: int, world_size: int, root: str, stage: int = SAVE_STAGE, frozen: bool = False) -> dict:
+def dcp_save_case(rank: int, world_size: int, root: str, stage: int = SAVE_STAGE, frozen: bool = False,
+                  kind: str = "gpt") -> dict:
     """2 x 2 at `stage` (AdamW; or SGD with momentum beside the frozen split base of
-    `_frozen_model`): the first step, then torch.distributed.checkpoint (DCP) of
-    `get_state_dict`'s model and optimizer state dicts to `root/dcp`, and zerodp's own save
-    of the same state to `root/dcp-ref` for an element-by-element comparison."""
+    `_frozen_model`; or HF Llama in bf16): the first step, then torch.distributed.checkpoint
+    (DCP) of `get_state_dict`'s model and optimizer state dicts to `root/dcp`, and zerodp's
+    own save of the same state to `root/dcp-ref` for an element-by-element comparison."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _dcp_model(rank, SAVE_TP, stage, frozen)
-    _train(model, opt, [0], SAVE_DP, opt.comm.rank)
+    model, opt = _dcp_model(rank, SAVE_TP, stage, frozen, kind)
+    _train(model, opt, [0], SAVE_DP, opt.comm.rank, kind)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp"))
     zerodp.save(os.path.join(root, "dcp-ref"), model, opt)
     return {"full": zerodp.full_state_dict(model, opt)}
 
 
-def dcp_load_case(rank: int, world_size: int, root: str, tp: int, stage: int, frozen: bool = False) -> dict:
+def dcp_load_case(rank: int, world_size: int, root: str, tp: int, stage: int, frozen: bool = False,
+                  kind: str = "gpt") -> dict:
     """`root/dcp` loaded through DCP at (world / tp) x tp and `stage` into a model of other
     weights; the whole model as loaded, and zerodp's save of the loaded state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dp = world_size // tp
-    model, opt = _dcp_model(100 + rank, tp, stage, frozen)
+    model, opt = _dcp_model(100 + rank, tp, stage, frozen, kind)
     msd, osd = get_state_dict(model, opt)  # templates: this layout's DTensors
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
