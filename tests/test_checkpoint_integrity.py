@@ -366,3 +366,27 @@ def test_tensor_parallel_saves_and_loads_and_checks_its_input(world2):
             assert res["state_dict_shapes"] == res["plain_shapes"], (rank, stage)
             assert res["optimizer_state_shapes"] == sorted({tuple(v) for v in res["plain_shapes"].values()}), \
                 (rank, stage, res["optimizer_state_shapes"])
+
+
+# -- the recorded sha256 is the file's -------------------------------------------------------------
+def test_the_digest_hashed_from_memory_is_the_file_s(tmp_path):
+    """write_safetensors hashes the tensors' memory, not the file read back: it must equal the
+    sha256 of the bytes on disk for every dtype, a 0-d and an empty tensor, and refuse a file
+    that does not hold exactly those tensors."""
+    from zerodp.checkpoint import files as ckpt_files
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 4, generator=g), "half": torch.randn(5, generator=g).to(torch.bfloat16),
+               "f16": torch.randn(2, generator=g).half(), "scalar": torch.tensor(3.0), "empty": torch.empty(0),
+               "steps": torch.arange(7), "mask": torch.tensor([True, False]), "bytes": torch.arange(3, dtype=torch.uint8)}
+    for case in (tensors, {}, {"only": torch.zeros(1, 1)}):
+        file = str(tmp_path / "x.safetensors")
+        assert ckpt_files.write_safetensors(file, case) == ckpt_files.digest(file)
+        assert {k: v.tolist() for k, v in load_file(file).items()} == {k: v.tolist() for k, v in case.items()}
+    save_file({**tensors, "w": tensors["w"] + 1}, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lay out"):  # same names and sizes, but one more tensor
+        ckpt_files.digest_written(file, {**tensors, "extra": torch.zeros(1)})
+    with pytest.raises(CheckpointError, match="lay out 'w'"):
+        ckpt_files.digest_written(file, {**tensors, "w": torch.zeros(2)})
+    # digest_written vouches for the layout, not the bytes: the load's verify catches the rest.
+    assert ckpt_files.digest_written(file, tensors) != ckpt_files.digest(file)
