@@ -267,9 +267,9 @@ class GlooCollectives(Collectives):
             works.append(dist.irecv(received[k - 1], self._peer((r - k) % n), group=self.group, tag=tag))
 
         def then():
-            if output.data_ptr() != chunks[r].data_ptr():
-                output.copy_(chunks[r])
-            for t in received:
+            # One pass for the first sum (the sum in the same order as a copy, then add_).
+            torch.add(chunks[r], received[0], out=output)
+            for t in received[1:]:
                 output.add_(t)
         return Works(works, then).finish(async_op)
 
