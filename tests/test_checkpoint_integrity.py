@@ -390,3 +390,19 @@ def test_the_digest_hashed_from_memory_is_the_file_s(tmp_path):
         ckpt_files.digest_written(file, {**tensors, "w": torch.zeros(2)})
     # digest_written vouches for the layout, not the bytes: the load's verify catches the rest.
     assert ckpt_files.digest_written(file, tensors) != ckpt_files.digest(file)
+
+
+def test_the_digest_is_written_where_no_thread_can_start(tmp_path, monkeypatch):
+    """At interpreter shutdown Python 3.12.0-3.12.2 refuses new threads: an asynchronous save
+    finishing at exit then flushes on its own thread, with the same result."""
+    import threading
+
+    from zerodp.checkpoint import files as ckpt_files
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    file = str(tmp_path / "x.safetensors")
+    tensors = {"w": torch.arange(6.0).reshape(2, 3)}
+    assert ckpt_files.write_safetensors(file, tensors) == ckpt_files.digest(file)

@@ -106,20 +106,26 @@ def fsync(file: str) -> None:
 def write_safetensors(file: str, tensors: dict) -> dict:
     """Write, fsync and return the size and sha256 of a safetensors file.
 
-    The sha256 is of the bytes written, hashed from the tensors' memory while the disk
-    flushes the file: reading 0.7 GB back from the page cache to hash it cost the 124M
+    The sha256 is of the header read back and the tensors' bytes as safetensors was given
+    them (it copies them unchanged on a little-endian host), hashed from memory while the
+    disk flushes the file: reading 0.7 GB back from the page cache to hash it cost the 124M
     model's asynchronous save a third of its background time, on the cores training runs on
     (benchmarks/results/checkpoint-*.md). What the disk holds is checked where it matters,
     at load (`reader.verify` hashes the file)."""
     save_file(tensors, file, metadata={"format": "pt"})
     flushed: list = []
     flusher = threading.Thread(target=lambda: flushed.append(_try(fsync, file)), name="zerodp-fsync")
-    flusher.start()
+    try:
+        flusher.start()
+    except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12.0-3.12.2): an
+        flusher = None    # asynchronous save finishing at exit flushes, then hashes
+        fsync(file)
     try:
         found = digest_written(file, tensors)
     finally:
-        flusher.join()
-    if flushed[0] is not None:
+        if flusher is not None:
+            flusher.join()
+    if flushed and flushed[0] is not None:
         raise flushed[0]
     return found
 
