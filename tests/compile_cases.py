@@ -31,11 +31,39 @@ def _gpt2():
     return gpt2()
 
 
+def _halved(forward):
+    """A forward set on the instance, as accelerate's hooks or a user's patch set one."""
+    def patched(*args, **kwargs):
+        return forward(*args, **kwargs) * 0.5
+    return patched
+
+
+def _halved_loss(forward):
+    def patched(idx, targets=None):
+        logits, loss = forward(idx, targets)
+        return logits, loss * 0.5
+    return patched
+
+
 def build(name: str, checkpointing: str):
-    """(model, its block class): the bundled GPT or Hugging Face GPT-2, tiny."""
+    """(model, its block class): the bundled GPT or Hugging Face GPT-2, tiny; `gpt_patched`:
+    the GPT with a forward set on each block instance (halving its output) and on the model
+    (halving the loss); `llama_deep`: a 10-layer HF Llama, `use_cache` at its default."""
     torch.manual_seed(0)
-    if name == "gpt":
+    if name in ("gpt", "gpt_patched"):
         model, block = GPT("tiny"), Block
+        if name == "gpt_patched":
+            for b in _blocks(model, block):
+                b.forward = _halved(b.forward)
+            model.forward = _halved_loss(model.forward)
+    elif name == "llama_deep":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=10, num_attention_heads=2, num_key_value_heads=2,
+                                             max_position_embeddings=64, attention_dropout=0.0))
+        block = LlamaDecoderLayer
     else:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -48,7 +76,7 @@ def build(name: str, checkpointing: str):
 def loss_of(name: str, model, step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(5, VOCAB - 1, (ROWS, SEQ), generator=g)
-    if name == "gpt":
+    if name in ("gpt", "gpt_patched"):
         return model(ids, ids)[1]
     return model(input_ids=ids, labels=ids).loss
 

@@ -92,3 +92,19 @@ def test_compile_units_composes(pool, variant):
         assert r["params"] <= PARAM_TOL["fp32"] and r["loss"] <= LOSS_TOL["fp32"], (rank, r)
         assert r["graphs"][-1] >= 1 and r["param_shapes_ok"] and r["param_inputs"] > 0, (rank, r)
         assert r["graphs"][1:] == r["graphs"][:1] * (STEPS - 1), (rank, r)
+
+
+@pytest.mark.parametrize("name,stage", [("gpt_patched", 0), ("gpt_patched", 3), ("llama_deep", 3)])
+def test_compile_units_on_what_users_bring(pool, name, stage):
+    """A forward set on the instance (accelerate's hooks, a user's patch: here each halves an
+    output) is the one compiled; a 10-layer Hugging Face decoder with `use_cache` at its
+    default compiles one graph for all its layers ([Note: no KV cache in compiled units] in
+    schedule/compile.py): with a cache each layer made its own, and past dynamo's recompile
+    limit (8) the later layers ran eagerly."""
+    for rank, r in enumerate(pool.run(N, cases.parity_case, name, "fp32", stage, "", ("units",), timeout_s=600)):
+        m = r["units"]
+        assert m["params"] <= PARAM_TOL["fp32"] and m["loss"] <= LOSS_TOL["fp32"], (rank, m)
+        assert m["graphs"][1:] == m["graphs"][:1] * (STEPS - 1), (rank, m)
+        if name == "llama_deep":
+            # One block class: one graph for the blocks, one for the root, one per break.
+            assert m["blocks"] == 10 and m["graphs"][-1] <= 2 + sum(m["breaks"].values()), (rank, m)

@@ -23,7 +23,7 @@ from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
 from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params, whole_param_flags
 from .schedule.base import eager_hook
-from .schedule.compile import compile_forwards
+from .schedule.compile import compile_forwards, drop_training_cache
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
 from .sharding.model_state import install_state_dict_hooks, install_whole_load_hook
@@ -170,6 +170,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
     if config.compile_units:  # docs/compile.md: the hooks above stay outside the compiled code
+        if config.stage == 3:
+            drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
     _INITIALIZED.add(model)
     return model, opt
