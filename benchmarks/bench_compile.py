@@ -45,7 +45,10 @@ def build(args):
 
         cfg = GPT2Config(n_layer=args.layers or 12, n_embd=args.embd or 768, n_head=args.heads or 12,
                          vocab_size=args.vocab or 50257, n_positions=max(args.seq, 128),
-                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                         # A training run needs no KV cache; with one, per-block compile (FSDP2's
+                         # too) makes a graph per block (docs/compile.md).
+                         use_cache=False)
         return GPT2LMHeadModel(cfg), GPT2Block, cfg.vocab_size
     from zerodp.demo.models import GPT, Block, GPTConfig
 
