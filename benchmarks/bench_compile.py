@@ -128,7 +128,10 @@ def run_variant(args, variant: str) -> dict:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0 or not result.exists():
-            return {"variant": variant, "error": (proc.stdout + proc.stderr)[-2000:]}
+            # The whole output is kept: its end is torchrun's summary, the cause is above it.
+            log = Path(tempfile.gettempdir()) / f"bench_compile-{variant}-{os.getpid()}.log"
+            log.write_text(proc.stdout + proc.stderr)
+            return {"variant": variant, "error": f"(whole output: {log}) " + (proc.stdout + proc.stderr)[-2000:]}
         return json.loads(result.read_text())
 
 

@@ -267,9 +267,13 @@ class GlooCollectives(Collectives):
             works.append(dist.irecv(received[k - 1], self._peer((r - k) % n), group=self.group, tag=tag))
 
         def then():
-            # One pass for the first sum (the sum in the same order as a copy, then add_).
-            torch.add(chunks[r], received[0], out=output)
-            for t in received[1:]:
+            rest = received
+            if output.dtype == chunks[r].dtype:  # one pass for the first sum, in the same order
+                torch.add(chunks[r], received[0], out=output)
+                rest = received[1:]
+            elif output.data_ptr() != chunks[r].data_ptr():  # summed in the output's dtype
+                output.copy_(chunks[r])
+            for t in rest:
                 output.add_(t)
         return Works(works, then).finish(async_op)
 
