@@ -5,9 +5,10 @@ fp32 AdamW, DDP against zerodp stages 2 and 3 as shipped and with the releases o
     .venv/bin/python benchmarks/bench_heap_release.py --steps 7 --warmup 2
 
 zerodp calls `hostmem.release_free_heap` after each stage-3 unit's backward and after each
-step, trimming glibc's heap when it holds at least `hostmem.STEP_RELEASE_MIN_FREE` free bytes
-(docs/stages.md, "Where the bytes go at stage 3"). The `_keep` variants raise that threshold
-out of reach, so nothing is released. The parent launches `torch.distributed.run
+stage-3 step (earlier, after every step at stages 0-2 as well: results/20261205-heap-release.md), trimming glibc's heap when
+it holds at least `hostmem.STEP_RELEASE_MIN_FREE` free bytes (docs/stages.md, "Where the bytes
+go at stage 3"). The `_keep` variants raise that threshold out of reach, so nothing is released.
+The parent launches `torch.distributed.run
 --nproc_per_node 2` once per variant, one after another with OMP_NUM_THREADS=1; a step is
 timed from a barrier to the end of the optimizer step, the slowest rank counting, median
 after the warm-up; peak RSS is the largest rank's VmHWM. Every variant trains the same model
@@ -60,8 +61,8 @@ def worker(args) -> None:
         if args.variant.endswith("_keep"):
             hostmem.STEP_RELEASE_MIN_FREE = NEVER
         stage = int(args.variant[len("zerodp")])
-        cfg = zerodp.Config(stage=stage, mixed_precision="fp32",
-                            unit_modules=[GPT2Block] if stage == 3 else None)
+        units = {"unit_modules": [GPT2Block]} if stage == 3 else {}
+        cfg = zerodp.Config(stage=stage, mixed_precision="fp32", **units)
         run, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-4)
         backward = opt.backward
     gen = torch.Generator().manual_seed(rank)
@@ -81,6 +82,8 @@ def worker(args) -> None:
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(args.result).write_text(json.dumps({"steps": slowest.tolist(), "peak_rss": int(rss), "loss": loss.item()}))
+    # DDP's reducer freed after the group is destroyed deadlocks in gloo's destructor (torch 2.13).
+    del run, opt, backward
     dist.destroy_process_group()
 
 

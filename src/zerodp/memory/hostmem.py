@@ -92,7 +92,8 @@ def release_free_heap(min_free: int = 0) -> None:
     only when the heap holds at least that many free bytes.
 
     Called where many short-lived tensors were just freed: after each stage-3 unit's
-    backward (its activations and gradient temporaries) and after each optimizer step.
+    backward (its activations and gradient temporaries) and after each stage-3 step (at
+    stages 0-2 the next step refills the same pages: docs/stages.md).
     Without it, the pages they were freed into stay resident for the rest of the run
     wherever a live allocation sits above them in the heap, and the next allocations
     spread over fresh pages (measured on the 124M GPT at stage 3, N=2: peak RSS 2.37 GiB
