@@ -6,6 +6,7 @@ optimizer steps it (optim/), and every collective goes through the comm (distrib
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any, Optional, Union
@@ -19,9 +20,11 @@ from .config import Config, ConfigError
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
+from .integrations.peft import refuse_in_place_merges
 from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
-from .optim.inner import OptimizerSpec, build_optimizer, check_elementwise, grouped_params, whole_param_flags
+from .optim.inner import (OptimizerSpec, build_optimizer, check_elementwise, grouped_params, take_carried_state,
+                          whole_param_flags)
 from .schedule.base import eager_hook
 from .schedule.compile import compile_forwards, drop_training_cache
 from .schedule.reducer import GradReducer
@@ -63,7 +66,32 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
         raise ValueError(f"an LR scheduler was built on this {type(inner).__name__} before zerodp.initialize; "
                          f"it would drive the optimizer zerodp wraps, not the one it returns. Build the "
                          f"scheduler on the optimizer zerodp.initialize returns")
-    return inner, grouped_params(inner, named), describe(model, inner, config)
+    groups = grouped_params(inner, named)
+    carried = take_carried_state(inner)  # [Note: the script's own optimizer] in optim/inner.py
+    described = describe(model, inner, config)
+    described["optimizer state carried in"] = carried is not None  # loading it is collective
+    return inner, groups, described, carried
+
+
+def install_ddp_accumulation(model: nn.Module, schedule) -> None:
+    """DDP's `require_backward_grad_sync` attribute and `no_sync()` context manager on the
+    model, read by the root forward ([Note: DDP's accumulation flag] in schedule/base.py)."""
+    model.require_backward_grad_sync = True
+
+    @contextlib.contextmanager
+    def no_sync():
+        """As DDP's: backward passes inside accumulate; the first one outside is the boundary."""
+        old = model.require_backward_grad_sync
+        model.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync = old
+
+    model.no_sync = no_sync
+    model.register_forward_pre_hook(eager_hook(
+        lambda module, args: schedule.note_forward(module.require_backward_grad_sync)
+        if torch.is_grad_enabled() else None))
 
 
 def _world_facts(model: nn.Module, process_group, on_meta: bool) -> WorldFacts:
@@ -82,8 +110,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
 
     The model is changed in place and returned: it is used exactly as before (its
     state_dict keeps its own names). `optimizer` is a torch.optim.Optimizer subclass
-    (keyword arguments follow) or a callable params -> optimizer; its param groups keep
-    their hyperparameters. Frozen parameters (requires_grad=False) are sharded with their
+    (keyword arguments follow), the script's own instance built over the model's parameters
+    (its groups, hyperparameters and any state carried over: use the returned optimizer from
+    then on), or a callable params -> optimizer; its param groups keep their hyperparameters. Frozen parameters (requires_grad=False) are sharded with their
     unit at stage 3 and replicated at stages 0-2, as the paper defines the stages; they get
     no gradient, master or optimizer state ([Note: frozen parameters] in sharding/frozen.py).
     """
@@ -110,7 +139,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     # a rank whose model, optimizer or Config is wrong must not leave the others waiting in
     # that collective: its error travels with it.
     comm_device = default_device() if device.type == "meta" else device
-    inner, group_indices, described, problem = None, None, None, None
+    inner, group_indices, described, carried, problem = None, None, None, None, None
     try:
         comm = Comm(topology=Topology.build(process_group, comm_device, timeout_s=config.collective_timeout_s))
     except Exception as e:  # noqa: BLE001  (zerodp's own group failed: the error goes over the plain one)
@@ -118,11 +147,17 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     problem = problem or world_problem
     if problem is None:
         try:
-            inner, group_indices, described = _build_and_describe(model, optimizer, config, named, optimizer_kwargs)
+            inner, group_indices, described, carried = _build_and_describe(model, optimizer, config, named,
+                                                                           optimizer_kwargs)
         except Exception as e:  # noqa: BLE001  (re-raised on this rank by check_ranks_agree)
             problem = e
-    check_ranks_agree(comm, described, problem)
-    check_elementwise(inner)
+    try:
+        check_ranks_agree(comm, described, problem)
+        check_elementwise(inner)
+    except BaseException:
+        if carried is not None:  # the script's optimizer keeps what it held
+            inner.load_state_dict(carried)
+        raise
     if config.replicate_size > 1:  # hybrid sharding: now that every rank agrees on the mesh's shape
         comm = Comm(topology=Topology.build(process_group, comm_device, config.replicate_size,
                                             timeout_s=config.collective_timeout_s), ledger=comm.ledger)
@@ -173,5 +208,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         if config.stage == 3:
             drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
+    install_ddp_accumulation(model, opt.grad_sync)
+    if carried is not None:  # the state the script's own optimizer held, now in the shards
+        opt.load_state_dict(carried)
+    pass  # PROBE refuse_in_place_merges(model, comm.rank)  # [Note: in-place merges refused] in integrations/peft.py
     _INITIALIZED.add(model)
     return model, opt

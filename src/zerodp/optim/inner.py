@@ -17,7 +17,8 @@ optimizer that refuses 1-D tensors would accept. Any other optimizer is probed b
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence, Union
+from collections import defaultdict
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -26,7 +27,8 @@ from .multi import OptimizerList, member_of
 log = logging.getLogger(__name__)
 
 __all__ = ["OptimizerSpec", "WHOLE_PARAMETER_OPTIMIZERS", "build_optimizer", "check_elementwise",
-           "elementwise_state_dtypes", "grouped_params", "needs_whole_params", "whole_param_flags"]
+           "elementwise_state_dtypes", "grouped_params", "needs_whole_params", "take_carried_state",
+           "whole_param_flags"]
 
 OptimizerSpec = Union[type, Callable[[list], torch.optim.Optimizer], Sequence]
 
@@ -57,8 +59,8 @@ def whole_param_flags(inner: torch.optim.Optimizer, group_indices: list[list[int
 
 def build_optimizer(optimizer: OptimizerSpec, params: list, kwargs: dict) -> torch.optim.Optimizer:
     """The user's optimizer over the model's own parameters: a class with its keyword
-    arguments (`params=` may give param groups), or a callable `params -> optimizer`; or a
-    list of optimizers (instances not yet stepped, or such callables) over disjoint
+    arguments (`params=` may give param groups), the script's own instance, or a callable
+    `params -> optimizer`; or a list of optimizers (instances not yet stepped, or such callables) over disjoint
     parameters, stepped as one ([Note: optimizer list] in multi.py)."""
     if isinstance(optimizer, (list, tuple)):
         if kwargs:
@@ -70,6 +72,11 @@ def build_optimizer(optimizer: OptimizerSpec, params: list, kwargs: dict) -> tor
         kwargs = dict(kwargs)
         groups = kwargs.pop("params", None)
         return optimizer(groups if groups is not None else params, **kwargs)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if kwargs:
+            raise ValueError(f"keyword arguments {sorted(kwargs)} were given with an optimizer instance, which "
+                             f"already has its hyperparameters: set them on its param groups instead")
+        return optimizer  # [Note: the script's own optimizer]
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         if kwargs:
             raise ValueError(f"keyword arguments {sorted(kwargs)} are only for an optimizer class; "
@@ -78,8 +85,32 @@ def build_optimizer(optimizer: OptimizerSpec, params: list, kwargs: dict) -> tor
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"the optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
         return opt
-    raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW) "
-                    f"or a callable params -> optimizer; an optimizer instance cannot be re-sharded")
+    raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
+                    f"an instance built over the model's parameters, or a callable params -> optimizer")
+
+
+# [Note: the script's own optimizer]
+# A DDP script builds its optimizer over the plain model (nanoGPT's `configure_optimizers`:
+# weight-decay groups by dimension), and on resume loads its checkpoint into it before
+# wrapping. `initialize` takes that instance as it is (DeepSpeed takes a client optimizer
+# the same way): the instance itself becomes the inner optimizer, so its class, param
+# groups, hyperparameters and step hooks are the script's without being rebuilt. Any state
+# it holds is keyed by the model's parameters, which the sharded optimizer replaces with
+# master pieces: `take_carried_state` takes it out in torch's form before that, and the
+# sharded optimizer loads it back (a full state dict, which loads at any stage).
+
+
+def take_carried_state(inner: torch.optim.Optimizer) -> Optional[dict]:
+    """The state an instance already holds (torch's full state dict), removed from it; None
+    if it never stepped. Its param groups stay: they are the ones zerodp shards."""
+    if not any(inner.state.values()):
+        return None
+    carried = inner.state_dict()
+    if isinstance(inner, OptimizerList):
+        inner.state.clear()  # the members write into this one dict ([Note: optimizer list])
+    else:
+        inner.state = defaultdict(dict)
+    return carried
 
 
 def grouped_params(inner: torch.optim.Optimizer, named: list) -> list[list[int]]:

@@ -38,6 +38,7 @@ from .state_dict import OwnedSlice, load_sharded_state_dict, sharded_state_dict
 from .step_guard import StepGuard, StepOutcome
 from .stepper import build_stepper
 from .streaming import GradStreamer
+from .torch_grads import ShardGradAccess
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             if self.tensor_parallel is not None else None)
         self.streamer = GradStreamer(stepper.all_shards() if after is None else [])
         self.grad_sync.on_final_grads = self.streamer.on_final_grads  # [Note: gradient streaming]
+        # [Note: torch's utilities on sharded gradients] in schedule/grad_handle.py
+        self.grad_access = ShardGradAccess(self)
+        if self.grad_sync.presence is not None:
+            self.grad_sync.presence.access = self.grad_access
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -186,6 +191,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"decay, momentum). Freeze parameters before zerodp.initialize, which leaves them out of the "
                 f"shards, or re-run initialize after freezing")
 
+    def prepare_grads(self) -> None:
+        """Give every master tensor its unscaled fp32 gradient, once per step (what the step
+        and the clip read; torch's utilities on `p.grad` read it too)."""
+        self._prepare_grads()
+
     def _prepare_grads(self) -> None:
         """Give every master tensor its unscaled fp32 gradient, once per step."""
         self.stepper.settle()  # the update in flight reaches the parameters before new gradients are read
@@ -215,6 +225,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         owns_all = self.config.stage == 0 or self.comm.shard_size == 1
         total = global_grad_norm(grads, norm_type, self.comm, owns_all, self._replicated)
+        self.grad_access.invalidate()
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
             for g in grads:
@@ -254,6 +265,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self.step_count += 1
+        self.grad_access.invalidate()
         self.stepper.release_step_grads()
         self._window = _Window()
         self.grad_sync.after_step()
@@ -295,6 +307,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Zero every gradient and start the backward schedule over: after a backward that
         raised too ([Note: failed backward] in schedule/base.py)."""
         self.grad_sync.reset()
+        self.grad_access.invalidate()
         self.streamer.clear()
         self._window = _Window(zeroed=True)
         self.stepper.zero_grad(set_to_none)

@@ -63,6 +63,20 @@ the gradient: in-place arithmetic on it fails (e.g. torch.nn.utils.clip_grad_nor
 `model.parameters()`, which would not see the sharded gradient anyway); use
 `optimizer.clip_grad_norm_`.
 
+[Note: DDP's accumulation flag]
+DDP scripts accumulate by turning the all-reduce off for the micro-batches before the last:
+`with model.no_sync():` or, as nanoGPT's train.py does, `model.require_backward_grad_sync =
+(micro_step == last)` before the forward; DDP reads the flag in its forward. zerodp gives the
+model the same attribute and context manager and reads the flag in the root module's forward
+pre-hook: a backward is the accumulation boundary when the flag was set at its forward and
+`Config.grad_accumulation_steps` backward passes have run (the default 1: the flag alone
+decides). The backward passes before the boundary accumulate what the stage keeps (the flat
+gradient at stages 0-1, a unit's or bucket's reduced shard at stages 2-3, where the memory
+saving needs the reduction), so the step sees DDP's sum; only where the reduction happens
+differs, never the result. A loop that calls `loss.backward()` itself divides its loss by
+its accumulation steps itself, as under DDP; `optimizer.backward(loss)` divides by
+`Config.grad_accumulation_steps`, which is 1 unless the Config sets it.
+
 [Note: hooks stay eager]
 torch.compile traces a module's `__call__`, and with it the forward hooks that run inside
 it, so a compiled model or block would trace zerodp's hooks: stage 3's gather swaps each
@@ -223,10 +237,20 @@ class BackwardSchedule:
         # Called with each part whose owned gradient is final for this step (a unit, or a
         # group and segment): [Note: gradient streaming] in optim/streaming.py.
         self.on_final_grads: Optional[Callable] = None
+        # DDP's `require_backward_grad_sync` as the last training forward read it ([Note:
+        # DDP's accumulation flag]).
+        self.sync_requested = True
 
     @property
     def at_boundary(self) -> bool:
-        return self.micro_step + 1 >= self.accumulation_steps
+        return self.sync_requested and self.micro_step + 1 >= self.accumulation_steps
+
+    def note_forward(self, sync: bool) -> None:
+        """A training forward of the root module ran with DDP's flag `sync` ([Note: DDP's
+        accumulation flag]); read once per forward, as DDP reads it."""
+        if self._backward_open:
+            return  # a forward inside a backward (reentrant checkpointing) belongs to that pass
+        self.sync_requested = bool(sync)
 
     @property
     def reduces_now(self) -> bool:
@@ -262,8 +286,10 @@ class BackwardSchedule:
         if self.grads_ready:
             raise RuntimeError(
                 f"rank {self.comm.rank}: backward ran again after the accumulation boundary "
-                f"(grad_accumulation_steps={self.accumulation_steps}) without optimizer.step(): "
-                f"call step() and zero_grad() first")
+                f"(grad_accumulation_steps={self.accumulation_steps}) without optimizer.step(): to accumulate "
+                f"over several backward passes, run the ones before the last under `with model.no_sync():` "
+                f"(or set model.require_backward_grad_sync = False), as with DDP, or set "
+                f"Config(grad_accumulation_steps=k); otherwise call step() and zero_grad() first")
         task = torch._C._current_graph_task_id()
         if not self._backward_open:
             self._backward_open = True

@@ -10,17 +10,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed import Comm
+from .grad_handle import GradAccess, make_handle
 
 
-def _handle(param: nn.Parameter, shared: dict) -> torch.Tensor:
+def _handle(param: nn.Parameter, shared: dict, access: Optional[GradAccess]) -> torch.Tensor:
     """A zero tensor of `param`'s shape whose elements all alias one element of `shared`'s
     storage for its dtype and device ([Note: gradient clearing]): no memory of its own, and
-    a version counter of its own, so that zeroing it in place is seen."""
+    a version counter of its own, so that zeroing it in place is seen; torch's gradient
+    utilities read it exactly ([Note: torch's utilities on sharded gradients] in grad_handle.py)."""
     key = (param.dtype, param.device)
     if key not in shared:
         shared[key] = torch.zeros(1, dtype=param.dtype, device=param.device).untyped_storage()
-    return torch.empty(0, dtype=param.dtype, device=param.device).set_(shared[key], 0, param.shape,
-                                                                        [0] * param.dim())
+    return make_handle(param, shared[key], access)
 
 
 def clear_by_owner(owner: dict, indices: list[int]) -> None:
@@ -42,6 +43,12 @@ class GradPresence:
                  views: Optional[list[torch.Tensor]] = None):
         self.comm, self.params = comm, params
         self.views = views  # stages 0-1: each parameter's view of the flat gradient; else handles
+        # Stage 1 over several ranks: once reduced, the view holds the rank's unreduced sums
+        # outside its owned chunk, so a final gradient is shown as a handle there too.
+        self.handles_when_final = False
+        # The optimizer, which answers for the handles ([Note: torch's utilities on sharded
+        # gradients] in grad_handle.py); None: plain handles that read as zeros.
+        self.access: Optional[GradAccess] = None
         self._clear = clear  # zero what the engine holds of these parameters' gradients
         self.index = {id(p): k for k, p in enumerate(params)}
         self.present = [False] * len(params)  # as DDP before the first backward
@@ -97,6 +104,9 @@ class GradPresence:
             if self.views is not None:
                 if p.grad is None:  # zero since it was cleared: autograd adds in place
                     p.grad = self.views[k]
+                elif self._handles[k]:  # stage 1: the final gradient's handle, kept: add to the view
+                    p.grad = self.views[k]
+                    self._handles[k] = False
             elif self._handles[k] and p.grad is not None:
                 self._stripped.append((k, p.grad))
                 p.grad = None
@@ -125,7 +135,7 @@ class GradPresence:
             self.comm.all_reduce(t, "control", op=dist.ReduceOp.MAX, label="parameters with a gradient")
             self.present = [bool(v) for v in t.tolist()]
         self.absent_seen = False
-        self.publish(views_always=False)
+        self.publish(views_always=False, final=True)
 
     def reset(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none): no gradient, or a zero one, everywhere. With
@@ -136,13 +146,16 @@ class GradPresence:
         self._stripped.clear()
         self.publish(views_always=False)
 
-    def publish(self, views_always: bool) -> None:
+    def publish(self, views_always: bool, final: bool = False) -> None:
+        """`.grad` as the engine leaves it; `final`: the step's gradients are reduced."""
         shared: dict = {}
+        as_views = self.views is not None and not (final and self.handles_when_final)
         for k, p in enumerate(self.params):
-            if self.views is not None:
+            if as_views:
                 p.grad = self.views[k] if self.present[k] or views_always else None
+                self._handles[k] = False
             else:
-                p.grad = _handle(p, shared) if self.present[k] else None
+                p.grad = _handle(p, shared, self.access) if self.present[k] else None
                 self._handles[k] = self.present[k]
         self._stripped.clear()
         self.remember()

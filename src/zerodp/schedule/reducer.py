@@ -61,6 +61,8 @@ class GradReducer(BackwardSchedule):
         self._owner = [(g, i) for g in groups for i in range(len(g.params))]
         self.track([p for g in groups for p in g.params], self._clear_grads,
                    [v for g in groups for v in g.grad_views] if stage < 2 else None)
+        # [Note: torch's utilities on sharded gradients] in grad_handle.py
+        self.presence.handles_when_final = stage == 1 and comm.shard_size > 1
         self._reset_buckets()
 
     @property
