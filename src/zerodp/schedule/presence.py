@@ -138,10 +138,13 @@ class GradPresence:
         self.publish(views_always=False, final=True)
 
     def reset(self, set_to_none: bool) -> None:
-        """optimizer.zero_grad(set_to_none): no gradient, or a zero one, everywhere. With
-        set_to_none `.grad` is None, as DDP's (torch DCP's state probe relies on it); the next
-        backward hands autograd the flat gradient's view again (stages 0-1)."""
-        self.present = [not set_to_none] * len(self.params)
+        """optimizer.zero_grad(set_to_none): no gradient anywhere, or a zero one where there
+        was one. torch's zero_grad(set_to_none=False) zeroes the gradients that exist and
+        leaves a None gradient None, so a parameter no backward has reached is still not
+        stepped (no weight decay, no momentum). With set_to_none `.grad` is None, as DDP's
+        (torch DCP's state probe relies on it); the next backward hands autograd the flat
+        gradient's view again (stages 0-1)."""
+        self.present = [False] * len(self.params) if set_to_none else list(self.present)
         self.absent_seen = False
         self._stripped.clear()
         self.publish(views_always=False)

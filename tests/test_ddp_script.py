@@ -1,0 +1,75 @@
+"""A DDP script switches to zerodp by changing the DDP line (issue: your DDP loop stays as it
+is): nanoGPT's train.py loop (ddp_script_cases.py) under DDP and under zerodp at every stage,
+per step; its checkpoint resumed and sampled in a plain process; and torch's zero_grad rule
+for a parameter no backward reaches."""
+import math
+
+import pytest
+import torch
+
+import ddp_script_cases as cases
+from tolerances import U32
+
+N = 2
+STEPS = 6  # the script's max_iters: the whole run, and the resumed one ends there too
+SGD_LR, MOMENTUM = 0.05, 0.9
+
+# Why the runs differ at all (N = 2, fp32, SGD): a sum of two is order-free and halving is
+# exact, so DDP's and zerodp's reduced gradients differ only where zerodp reduces each
+# micro-batch (stages 2-3) and DDP sums the two micro-batches first: (a1+a2)+(b1+b2) against
+# (a1+b1)+(a2+b2), <= 3u of the sum of |terms| per element. torch's clip computes each
+# parameter's norm in fp32 by a cascade sum (<= (log2 n + 1)u relative, n <= 4096 elements:
+# 13u; the square root halves it) and their norm (30 parameters: 6u more); zerodp pools fp64
+# sums: the clip coefficients differ by <= 14u, one more for the division. Clipped to norm 1,
+# every gradient element is <= 1, so an update differs by <= lr (3u + 15u) = lr 18u, momentum
+# carries it on with weight 0.9^age (x 1/(1 - 0.9)), over STEPS steps; a different parameter
+# changes the next gradient too, which at most doubles the error per step (lr x curvature < 1
+# for this small model at lr 0.05): the factor 2^STEPS.
+SGD_TOL = 2**STEPS * STEPS * SGD_LR / (1 - MOMENTUM) * 18 * U32  # 2.1e-4
+# The recorded gradient norm before clipping: the same parameter difference, through a
+# gradient that moves by at most the curvature (< 1/lr, see above) times it, plus the norm's
+# own 20u: relative to 1 + |norm|.
+NORM_TOL = SGD_TOL / SGD_LR + 20 * U32
+# AdamW divides by sqrt(v): an element whose gradient is near zero may step ~lr either way
+# under any rounding difference (tolerances.adamw_tol), lr <= 0.03: this only catches gross
+# errors (a missing state, a wrong parameter), the SGD grid is the strict check.
+ADAMW_TOL = 2 * 0.03 * STEPS
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nanogpt_loop_changed_only_at_the_ddp_line(pool, tmp_path, stage, kind):
+    tol = SGD_TOL if kind == "sgd" else ADAMW_TOL
+    results = pool.run(N, cases.script_case, stage, kind, str(tmp_path), timeout_s=300)
+    for rank, r in enumerate(results):
+        ddp, zero = r["ddp"], r["zerodp"]
+        for run in ("whole", "resumed"):
+            d, z = ddp[run], zero[run]
+            assert len(d["losses"]) == len(z["losses"]) > 0, (rank, run)
+            # Step 0's loss is a forward of the same weights on the same batch: equal exactly.
+            if run == "whole":
+                assert z["losses"][0] == d["losses"][0], (rank, d["losses"], z["losses"])
+            for nd, nz in zip(d["norms"], z["norms"]):
+                assert math.isfinite(nz) and abs(nz - nd) / (1 + abs(nd)) <= (NORM_TOL if kind == "sgd" else 1.0), \
+                    (rank, run, d["norms"], z["norms"])
+            if rank == 0:
+                assert d["final"].keys() == z["final"].keys()
+                for name in d["final"]:
+                    assert rel(z["final"][name], d["final"][name]) <= tol, (run, name, tol)
+        if rank == 0:
+            # sample.py in a plain process, from the file the script saved at iteration 3.
+            # Logits of the same input under weights <= tol apart: 3 layers of <= 32-128-term
+            # dot products of O(1) activations (x 10 covers them at these widths).
+            assert rel(zero["sample"], ddp["sample"]) <= tol * 10, "sampled logits"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_grad_keeps_unreached_parameters_unstepped(pool, stage, kind):
+    for r in pool.run(N, cases.unreached_case, stage, kind):
+        assert r["ddp"] == {"moved": 0.0, "grad_is_none": True}, r
+        assert r["zerodp"] == r["ddp"], r
