@@ -58,10 +58,10 @@ agree at its end which parameters have one (one MAX all-reduce of a byte per par
 Between micro-batches a gradient already reduced (stage 2 with reduce_each_micro_batch) or
 held in a unit's buffer (stage 3) has no handle, so clearing inside a window is seen only
 at stages 0-1 and stage 2 without per-micro-batch reduction: elsewhere clear with
-`optimizer.zero_grad()`, which also starts the window over. A handle reads as zeros, not
-the gradient: in-place arithmetic on it fails (e.g. torch.nn.utils.clip_grad_norm_ over
-`model.parameters()`, which would not see the sharded gradient anyway); use
-`optimizer.clip_grad_norm_`.
+`optimizer.zero_grad()`, which also starts the window over. Once a step's gradients are
+reduced, stage 1 over several ranks shows handles too (its view then holds unreduced sums
+outside the owned chunk), and a handle answers torch's gradient utilities from the shards:
+[Note: torch's utilities on sharded gradients] in grad_handle.py.
 
 [Note: DDP's accumulation flag]
 DDP scripts accumulate by turning the all-reduce off for the micro-batches before the last:
