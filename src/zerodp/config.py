@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -43,8 +44,33 @@ class ConfigError(ValueError):
     """A configuration value is not allowed; the message names the field, value and fix."""
 
 
+# A Config file is one mapping of fields to plain values: a list of class names is the
+# deepest (unit_modules). Deeper is refused by name before it can exhaust Python's stack.
+MAX_FILE_DEPTH = 32
+
+# Containers are shown a few items and levels deep: a YAML alias lets a small file hold a
+# value that is huge, or contains itself, whose full repr would not end.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 2, 4, 4, 4, 4
+
+
+def _shown(value: Any, limit: int = 160) -> str:
+    """`value` as an error message shows it: its repr, at most `limit` characters."""
+    try:
+        text = _REPR.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
+    except ValueError:  # an int past Python's 4,300-digit limit on conversion to text
+        text = f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _bad(name: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"Config.{name}={value!r} is not allowed: {allowed}")
+    return ConfigError(f"Config.{name}={_shown(value)} is not allowed: {allowed}")
+
+
+def _is_one_of(value: Any, allowed) -> bool:
+    """`value in allowed` for the text-valued fields; a list or mapping (unhashable) is not
+    one of them rather than a TypeError."""
+    return isinstance(value, str) and value in allowed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,14 +246,14 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise _bad("stage", self.stage, "use 0, 1, 2 or 3")
-        if self.mixed_precision not in DTYPES:
+        if not _is_one_of(self.mixed_precision, DTYPES):
             raise _bad("mixed_precision", self.mixed_precision, f"use one of {sorted(DTYPES)}")
-        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+        if self.reduce_dtype is not None and not _is_one_of(self.reduce_dtype, DTYPES):
             raise _bad("reduce_dtype", self.reduce_dtype, f"use None or one of {sorted(DTYPES)}")
         if self.loss_scale != "dynamic":
             # inf would overflow every scaled gradient: each fp16 step skipped, silently, forever.
             _positive_finite("loss_scale", self.loss_scale, 'use "dynamic" or a positive, finite number')
-        if self.nonfinite_grads not in ("raise", "skip", "proceed"):
+        if not _is_one_of(self.nonfinite_grads, ("raise", "skip", "proceed")):
             raise _bad("nonfinite_grads", self.nonfinite_grads, 'use "raise", "skip" or "proceed"')
         _positive_finite("initial_loss_scale", self.initial_loss_scale, "use a positive, finite number")
         _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
@@ -247,9 +273,9 @@ class Config:
                 raise _bad(name, getattr(self, name), "use true or false")
         self._check_zeropp()
         self._check_tensor_parallel()
-        if self.offload_optimizer not in OFFLOAD_PLACES:
+        if not _is_one_of(self.offload_optimizer, OFFLOAD_PLACES):
             raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
-        if self.offload_params not in OFFLOAD_PLACES:
+        if not _is_one_of(self.offload_params, OFFLOAD_PLACES):
             raise _bad("offload_params", self.offload_params, f"use one of {list(OFFLOAD_PLACES)}")
         if self.offload_params != "none" and self.stage != 3:
             raise _bad("offload_params", self.offload_params, f"only stage 3 keeps parameter shards of its own "
@@ -354,7 +380,7 @@ class Config:
                 raise _bad(name, getattr(self, name), f"{reasons[name]}; use {off!r}, or tensor_parallel_size=1")
 
     def _check_zeropp(self) -> None:
-        if self.quantize_grads is not None and self.quantize_grads not in QUANTIZED_BITS:
+        if self.quantize_grads is not None and not _is_one_of(self.quantize_grads, QUANTIZED_BITS):
             raise _bad("quantize_grads", self.quantize_grads, f"use None or one of {sorted(QUANTIZED_BITS)}")
         _positive_int("quantize_block_size", self.quantize_block_size)
         used = [n for n in ("hpz", "quantize_weights", "quantize_grads") if getattr(self, n) not in (False, None)]
@@ -425,33 +451,87 @@ class Config:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Config":
         if not isinstance(values, Mapping):
-            raise ConfigError(f"Config.from_dict needs a mapping, got {type(values).__name__}")
+            raise ConfigError(f"Config.from_dict needs a mapping of field names to values, got "
+                              f"{type(values).__name__} {_shown(values)}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        # By text: a YAML mapping's keys may be numbers or null beside the names.
+        unknown = sorted(set(values) - known, key=str)
         if unknown:
-            raise ConfigError(f"Config has no field {unknown[0]!r}: allowed fields are {sorted(known)}")
+            raise ConfigError(f"Config has no field {_shown(unknown[0])}: allowed fields are {sorted(known)}")
         return cls(**dict(values))
 
     @classmethod
     def from_file(cls, path: Union[str, os.PathLike]) -> "Config":
-        """Load a JSON (.json) or YAML (.yaml/.yml) file holding one mapping of fields."""
+        """Load a JSON (.json) or YAML (.yaml/.yml) file holding one mapping of fields. Every
+        fault of its content is a ConfigError naming the file (and the field, where known)."""
         path = os.fspath(path)
-        with open(path) as f:
-            text = f.read()
-        if path.endswith(".json"):
-            values = json.loads(text)
-        elif path.endswith((".yaml", ".yml")):
-            import yaml
-
-            values = yaml.safe_load(text) or {}
-        else:
+        if not path.endswith((".json", ".yaml", ".yml")):
             raise ConfigError(f"Config file {path!r} has an unknown suffix: use .json, .yaml or .yml")
-        return cls.from_dict(values)
+        kind = "JSON" if path.endswith(".json") else "YAML"
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not content
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"Config file {path!r} is not UTF-8 text ({e}): save it as UTF-8 {kind}") from None
+        values = _parse(text, kind, path)
+        try:
+            return cls.from_dict({} if values is None else values)
+        except ConfigError as e:
+            raise ConfigError(f"Config file {path!r}: {e}") from None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["unit_modules"] = [u if isinstance(u, str) else u.__name__ for u in self.unit_modules]
         return out
+
+
+def _parse(text: str, kind: str, path: str) -> Any:
+    """The content of a Config file: JSON or YAML (safe: plain values only)."""
+    import yaml
+
+    # YAML's composer and json's decoder recurse once per level of nesting, so a deep file
+    # would exhaust Python's stack. A YAML file is measured first; JSON, whose decoder is
+    # fast, only once it has failed.
+    deep = _too_deep(text) if kind == "YAML" else None
+    try:
+        if deep is None:
+            return json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except RecursionError:
+        deep = _too_deep(text) or ""
+    except (ValueError, yaml.YAMLError) as e:  # bad syntax, an int past Python's 4,300 digits
+        message = " ".join(str(e).split())
+        raise ConfigError(f"Config file {path!r} is not valid {kind}: {message[:300]}: fix the file (one mapping "
+                          f"of field names to values)") from None
+    where = f"Config.{deep}: its value" if deep else "its content"
+    raise ConfigError(f"Config file {path!r}: {where} is nested more than {MAX_FILE_DEPTH} levels deep: a field "
+                      f"holds a number, a string, true/false or null, or a list of class names (unit_modules); "
+                      f"fix the file")
+
+
+def _too_deep(text: str) -> Optional[str]:
+    """The top-level field whose value first nests more than MAX_FILE_DEPTH collections ("" if
+    the file is not a mapping), else None. Reads YAML's parse events (JSON is YAML's flow
+    style), which keep a stack of their own rather than Python's, and stops there."""
+    import yaml
+
+    depth, field, at_key, top_is_mapping = 0, "", True, False
+    try:
+        for event in yaml.parse(text):
+            if depth == 1 and isinstance(event, yaml.NodeEvent):  # a key or a value of the top mapping
+                if at_key:
+                    field = event.value if isinstance(event, yaml.ScalarEvent) and top_is_mapping else ""
+                at_key = not at_key
+            if isinstance(event, yaml.CollectionStartEvent):
+                top_is_mapping = top_is_mapping or (depth == 0 and isinstance(event, yaml.MappingStartEvent))
+                depth += 1
+                if depth > MAX_FILE_DEPTH:
+                    return field
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:  # the syntax error is the full parse's to report
+        return None
+    return None
 
 
 # Every field's default: what _check_takes_effect never refuses.

@@ -91,19 +91,55 @@ def check_train_flags(args: argparse.Namespace) -> None:
              f"the bundled corpus's validation split has {tokens:,} tokens: use fewer per sequence"))
 
 
+def check_simulated_failure(args: argparse.Namespace, nproc: int) -> None:
+    """--simulate-failure-at exists to try --max-restarts: refused where no rank would fail, or
+    where nothing would restart it, rather than accepted and then silently without effect."""
+    step = args.simulate_failure_at
+    if step is None:
+        return
+    if step > args.steps:
+        raise UsageError(f"--simulate-failure-at {step}: the run stops at --steps {args.steps}, so no rank would "
+                         f"fail: use a step from 1 to {args.steps}")
+    if nproc < 2:
+        raise UsageError(f"--simulate-failure-at {step}: rank 1 fails, and --nproc {nproc} has rank 0 only: use "
+                         f"--nproc 2 or more")
+    if not args.max_restarts:
+        raise UsageError(f"--simulate-failure-at {step} tries --max-restarts, which is 0 here: add --max-restarts 1 "
+                         f"and --ckpt-every N (N < {step} to resume from a checkpoint)")
+    from zerodp import latest
+    from zerodp.demo.train import checkpoint_step
+
+    newest = latest(args.ckpt_dir or os.path.join(args.out, "ckpt"))
+    done = checkpoint_step(newest) if newest else None
+    if done is not None and done >= step:
+        raise UsageError(f"--simulate-failure-at {step}: the run resumes from {newest}, after step {step}, so no rank "
+                         f"would fail: use a step from {done + 1} to {args.steps}, or another --out/--ckpt-dir")
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     import time
 
-    from zerodp.demo.train import add_arguments, build_config, to_argv
+    from zerodp.config import ConfigError
+    from zerodp.config_world import check_world
+    from zerodp.demo.train import add_arguments, build_config, check_run, standalone_world, to_argv
 
     nproc = check_nproc(args.nproc)
     check_train_flags(args)
     if args.config and not os.path.isfile(args.config):
         raise UsageError(f"--config {args.config}: no such file")
-    try:  # a bad file, or flags that leave a setting of it without effect, is a one-line usage
-        build_config(args)  # error here, not a traceback from every rank
-    except Exception as e:  # ConfigError, JSON/YAML syntax
-        raise UsageError(f"--config {args.config}: {e}" if args.config else str(e)) from None
+    # A bad file, flags that leave a setting of it without effect, or a Config this world
+    # cannot run is one usage line here, not a traceback from every rank.
+    try:
+        cfg = build_config(args)  # a file's errors name the file; the flags' name the flags
+        check_run(args, cfg)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:  # the file exists but cannot be read
+        raise UsageError(f"--config {args.config}: {e}") from None
+    try:
+        check_world(cfg, standalone_world(cfg, nproc))
+    except ConfigError as e:
+        raise UsageError(f"--nproc {nproc}: {e}") from None
     if args.resume and not args.ckpt_dir and not args.out:
         raise UsageError("--resume needs --ckpt-dir (or the --out of the run to continue)")
     if args.max_restarts < 0:
@@ -111,6 +147,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.max_restarts and not args.ckpt_every:
         raise UsageError("--max-restarts needs --ckpt-every N: a restarted run resumes from the newest checkpoint")
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    check_simulated_failure(args, nproc)
     if args.max_restarts:
         args.resume = True  # every attempt resumes from the newest complete checkpoint, if there is one
     template = argparse.ArgumentParser(add_help=False)

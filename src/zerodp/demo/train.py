@@ -27,6 +27,7 @@ import zerodp
 from zerodp.demo import data as zdata
 from zerodp.memory import estimator
 from zerodp.config import DTYPES, Config, ConfigError
+from zerodp.config_world import WorldFacts
 from zerodp.memory import formula_bytes
 from zerodp.demo.models import GPT, PRESETS, Block, gpt_config
 
@@ -101,6 +102,11 @@ def _rows(text: str):
     return "nodes" if text == "nodes" else _positive_int(text)
 
 
+# The flags that set a Config field, by field: named when a flag's value is refused.
+FLAG_OF_FIELD = {"stage": "--stage", "mixed_precision": "--precision", "grad_accumulation_steps": "--grad-accum",
+                 "replicate_size": "--replicate-size"}
+
+
 def build_config(args: argparse.Namespace) -> Config:
     """The run's Config: the --config file (if any), then the flags given explicitly."""
     cfg = Config.from_file(args.config) if args.config else Config(stage=DEFAULT_STAGE)
@@ -113,11 +119,58 @@ def build_config(args: argparse.Namespace) -> Config:
         changes["grad_accumulation_steps"] = args.grad_accum
     if args.replicate_size is not None:
         changes["replicate_size"] = args.replicate_size
-    cfg = dataclasses.replace(cfg, **changes)
+    try:
+        cfg = dataclasses.replace(cfg, **changes)
+    except ConfigError as e:  # the Config names a field; the user typed flags
+        given = " ".join(f"{FLAG_OF_FIELD[k]} {v}" for k, v in changes.items())
+        raise ConfigError(f"{f'--config {args.config} with ' if args.config else ''}{given}: {e}") from None
     if cfg.stage == 3 and not cfg.unit_modules:
         # One unit per transformer block: the natural gather granularity (as FSDP wraps blocks).
         cfg = dataclasses.replace(cfg, unit_modules=(Block,))
     return cfg
+
+
+def builds_on_meta(cfg: Config) -> bool:
+    """Stage 3 builds on the meta device (born sharded by initialize); tensor parallelism
+    splits real weights, so it builds them whole."""
+    return cfg.stage == 3 and cfg.tensor_parallel_size == 1
+
+
+def standalone_world(cfg: Config, nproc: int) -> WorldFacts:
+    """The world `zerodp train` starts: `nproc` ranks on this node (torchrun --standalone),
+    building the model as `Job` does, for `check_world` before any rank is launched."""
+    return WorldFacts(world_size=nproc, local_world_size=nproc, rank=0, node_rank=0,
+                      device_type="cuda" if torch.cuda.is_available() else "cpu", model_on_meta=builds_on_meta(cfg))
+
+
+def check_run(args: argparse.Namespace, cfg: Config) -> None:
+    """What every rank of this job would fail on with these flags and this Config, as one
+    ConfigError naming the field or flag and the fix: `zerodp train` calls it before it
+    launches any rank, and each rank again, since this module also runs on its own."""
+    tp = cfg.tensor_parallel_size
+    if tp == 1:
+        return
+    if args.ckpt_every or args.resume or args.max_restarts:
+        raise ConfigError(f"tensor_parallel_size={tp}: zerodp checkpoints do not hold tensor-parallel slices yet: "
+                          f"run without --ckpt-every, --resume and --max-restarts")
+    # The bundled GPT's plan keeps whole heads on each rank and splits the vocabulary's rows.
+    gcfg = gpt_config(args.model)
+    for name, value in (("n_head", gcfg.n_head), ("vocab_size", gcfg.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"Config.tensor_parallel_size={tp}: --model {args.model} has {name}={value}, which "
+                              f"does not split into {tp} equal parts: use a tensor_parallel_size that divides "
+                              f"{value}, or another --model")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoint_step(path: str) -> Optional[int]:
+    """The step of a checkpoint this job wrote (named by `checkpoint_name`), else None."""
+    name = os.path.basename(os.path.normpath(path))
+    number = name[len("step_"):] if name.startswith("step_") else ""
+    return int(number) if number.isdigit() else None
 
 
 def setup_logging(rank: int, level: str) -> None:
@@ -172,10 +225,7 @@ class Job:
             log.warning("--nproc %d but the world has %d processes; using %d",
                         args.nproc, self.world_size, self.world_size)
         self.cfg = build_config(args)
-        if self.cfg.tensor_parallel_size > 1 and (args.ckpt_every or args.resume or args.max_restarts):
-            # Every rank raises here, before any collective.
-            raise ConfigError(f"tensor_parallel_size={self.cfg.tensor_parallel_size}: zerodp checkpoints do not hold "
-                              f"tensor-parallel slices yet: run without --ckpt-every, --resume and --max-restarts")
+        check_run(args, self.cfg)  # every rank raises the same, before any collective
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         else:
@@ -185,9 +235,7 @@ class Job:
         if self.block_size > gcfg.block_size:
             gcfg = dataclasses.replace(gcfg, block_size=self.block_size)
         torch.manual_seed(args.seed)
-        # Stage 3 builds on the meta device (born sharded by initialize); tensor parallelism
-        # splits real weights, so it builds them whole.
-        if self.cfg.stage == 3 and self.cfg.tensor_parallel_size == 1 and hasattr(zerodp, "init"):
+        if builds_on_meta(self.cfg) and hasattr(zerodp, "init"):
             with zerodp.init(self.cfg):
                 model = GPT(gcfg)
         else:
@@ -244,7 +292,7 @@ class Job:
             if self.args.ckpt_dir or self.args.ckpt_every:
                 log.warning("checkpoints are not available in this install: not saving step %d", step)
             return
-        path = os.path.join(self.ckpt_dir, f"step_{step:06d}")
+        path = os.path.join(self.ckpt_dir, checkpoint_name(step))
         zerodp.save(path, self.model, self.opt, keep_last=self.args.keep_last, step=step,
                     losses=[list(x) for x in self.losses], val_losses=[list(x) for x in self.val_losses],
                     preset=self.args.model)

@@ -1,10 +1,10 @@
 """Every rank must build the same model, optimizer and Config: checked once, at initialize.
 
 Ranks that differ (another stage or bucket size, one extra layer, another learning rate or
-fp16 loss scale) would otherwise pair mismatched collectives: gloo aborts one rank while
-the other waits, or, worse, both run and silently train different models. One small
-collective of descriptions, compared with rank 0's, turns that into an error on every rank
-that names what differs and what each rank had.
+fp16 loss scale, another tensor-parallel plan) would otherwise pair mismatched collectives:
+gloo aborts one rank while the other waits, or, worse, both run and silently train different
+models. One small collective of descriptions, compared with rank 0's, turns that into an
+error on every rank that names what differs and what each rank had.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..config import Config
 
 def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> dict[str, Any]:
     """What every rank must agree on, as plain, comparable data."""
-    return {
+    described = {
         "Config": config.to_dict(),
         "parameters (name, shape, dtype, requires_grad)": [
             (n, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad) for n, p in model.named_parameters()],
@@ -30,6 +30,14 @@ def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> 
             (len(g["params"]), {k: _comparable(v) for k, v in sorted(g.items()) if k != "params"})
             for g in inner.param_groups],
     }
+    if config.tensor_parallel_size > 1:
+        # Ranks that split different modules, or the same ones another way, build layers whose
+        # collectives do not pair: the first forward would wait out the collective timeout.
+        # (Imported here: tensor_parallel imports memory.placement, which imports this module.)
+        from ..tensor_parallel.plan import plan_of
+
+        described["tensor-parallel plan (module pattern, style)"] = list(plan_of(model).items())
+    return described
 
 
 def _comparable(value: Any) -> Any:
