@@ -246,3 +246,52 @@ def unreached_case(rank: int, world: int, stage: int, kind: str) -> dict:
                   else net.unused.weight.detach().clone())
         out[impl] = {"moved": float((weight - before).abs().max()), "grad_is_none": net.unused.weight.grad is None}
     return out
+
+
+def utilities_case(rank: int, world: int, stage: int, precision: str) -> dict:
+    """torch's gradient utilities on the model's parameters after an accumulated backward,
+    under DDP and under zerodp: what each returns, the gradients the step then uses (read back
+    as the parameters SGD moves by lr 1), and what reading a sharded p.grad otherwise does."""
+    out = {}
+    for impl in ("ddp", "zerodp"):
+        torch.manual_seed(0)
+        model = GPT()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        if impl == "ddp":
+            model = DDP(model)
+        else:
+            config = zerodp.Config(stage=stage, unit_modules=(Block,) if stage == 3 else (),
+                                   mixed_precision=precision)
+            model, opt = zerodp.initialize(model, opt, config)
+        data = torch.Generator().manual_seed(rank)
+        x = torch.randint(VOCAB, (2, BLOCK), generator=data)
+        with model.no_sync():
+            model(x, x)[1].backward()
+        model(x.flip(1), x)[1].backward()
+        params = list(model.parameters())
+        got = {"total_2": float(torch.nn.utils.get_total_norm([p.grad for p in params])),
+               "total_inf": float(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type="inf")),
+               "total_3_foreach": float(torch.nn.utils.get_total_norm([p.grad for p in params], 3.0, foreach=True)),
+               "per_param": [float(p.grad.norm()) for p in params],
+               "clip": float(torch.nn.utils.clip_grad_norm_(params, 0.5)),
+               "after_clip": float(torch.nn.utils.get_total_norm([p.grad for p in params]))}
+        torch.nn.utils.clip_grad_value_(params, 0.01)
+        got["after_value_clip_inf"] = float(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type="inf"))
+        if impl == "zerodp" and stage >= 1:
+            try:
+                params[0].grad.clone()
+                got["read"] = "no error"
+            except RuntimeError as e:
+                got["read"] = str(e)
+        def weights():
+            if impl == "zerodp" and stage == 3:
+                return {n: v.float().clone() for n, v in zerodp.full_state_dict(model, opt).items()}
+            return {n: p.detach().float().clone() for n, p in (model.module if impl == "ddp" else model).named_parameters()}
+
+        before = weights()
+        opt.step()
+        after = weights()
+        got["stepped_by"] = {n: before[n] - after[n] for n in (model.module if impl == "ddp" else model).state_dict()
+                             if n in before}
+        out[impl] = got
+    return out

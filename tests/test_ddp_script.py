@@ -73,3 +73,30 @@ def test_zero_grad_keeps_unreached_parameters_unstepped(pool, stage, kind):
     for r in pool.run(N, cases.unreached_case, stage, kind):
         assert r["ddp"] == {"moved": 0.0, "grad_is_none": True}, r
         assert r["zerodp"] == r["ddp"], r
+
+
+# The utilities read the same reduced gradients (N = 2: order-free, see SGD_TOL), so the
+# only difference is the norm's arithmetic: torch's fp32 cascade sums against zerodp's pooled
+# fp64 sums, <= 20u relative (see SGD_TOL); the inf-norm and clamping are exact. Under bf16
+# the model computes in bf16 while DDP computes in fp32: the gradients themselves differ by
+# bf16's rounding through 2 layers (a few bf16 ulps relative, 2^-8 each): 4 ulps.
+UTIL_TOL = {"fp32": 20 * U32, "bf16": 4 * 2.0**-8}
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")])
+def test_torch_gradient_utilities_read_the_sharded_gradients(pool, stage, precision):
+    tol = UTIL_TOL[precision]
+    for r in pool.run(N, cases.utilities_case, stage, precision):
+        d, z = r["ddp"], r["zerodp"]
+        for key in ("total_2", "total_inf", "total_3_foreach", "clip", "after_clip", "after_value_clip_inf"):
+            assert abs(z[key] - d[key]) <= tol * (1 + abs(d[key])), (key, d[key], z[key])
+        assert max(abs(a - b) / (1 + abs(b)) for a, b in zip(z["per_param"], d["per_param"])) <= tol
+        # After both clips (a norm clip, then a value clip at 0.01), SGD at lr 1 moves each
+        # parameter by the clipped gradient (<= 0.01): the step used what the utilities changed.
+        # `before - after` is measured in fp32 (2u of |p|, |p| <= 5 for these inits: an
+        # N(0, 1) embedding of 2048 values passes 5 with probability 6e-4), and under bf16 the
+        # parameters are stored in bf16 (one bf16 ulp of |p| <= 5).
+        measured = 2 * U32 * 6 if precision == "fp32" else 2.0**-8 * 6
+        for name, moved in d["stepped_by"].items():
+            assert float((z["stepped_by"][name] - moved).abs().max()) <= 0.01 * tol + measured, name
+        assert "clip_grad_norm_" in z["read"] and "no rank holds it whole" in z["read"], z["read"]

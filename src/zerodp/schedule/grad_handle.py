@@ -86,14 +86,14 @@ class ShardedGrad(torch.Tensor):
             handle, rest = args[0], args[1:]
             if isinstance(handle, ShardedGrad) and _whole_norm(func, rest, kwargs):
                 order = _norm_order(func, rest, kwargs)
-                return handle._zerodp_access.norms([handle.param], order)[0].to(handle.dtype)
+                return handle._zerodp_access.norms([handle.param], order)[0].to(_norm_dtype(handle))
         elif func in _FOREACH_NORMS:
             tensors = list(args[0])
             order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2))
-            if all(isinstance(t, ShardedGrad) for t in tensors) and "dtype" not in kwargs:
+            if all(isinstance(t, ShardedGrad) for t in tensors) and kwargs.get("dtype") is None:
                 access = tensors[0]._zerodp_access
-                return [n.to(t.dtype) for n, t in zip(access.norms([t.param for t in tensors], float(order)),
-                                                      tensors)]
+                return [n.to(_norm_dtype(t)) for n, t in zip(access.norms([t.param for t in tensors], float(order)),
+                                                             tensors)]
         elif func in _SCALES and isinstance(args[0], ShardedGrad) and len(args) == 2 and not kwargs:
             handle, factor = args
             handle._zerodp_access.scale([handle.param], _reciprocal(factor) if _SCALES[func] else factor)
@@ -151,10 +151,18 @@ def _plain(func, args, kwargs):
         return func(*args, **kwargs)
 
 
+def _norm_dtype(handle: torch.Tensor) -> torch.dtype:
+    """fp32 for a 16-bit parameter: under mixed precision the gradient the step uses is the
+    fp32 master's, as DDP with autocast keeps fp32 gradients; a norm rounded to bf16 would move
+    the clip coefficient by up to 0.4%."""
+    return torch.promote_types(handle.dtype, torch.float32)
+
+
 def _whole_norm(func, rest, kwargs) -> bool:
     """Whether a norm call is over the whole tensor (no dim, no dtype), as torch's utilities call it."""
     dims = kwargs.get("dim", rest[1] if len(rest) > 1 else None)
-    return dims is None and not kwargs.get("keepdim", False) and "dtype" not in kwargs and "out" not in kwargs
+    return (dims is None and not kwargs.get("keepdim", False) and kwargs.get("dtype") is None
+            and kwargs.get("out") is None)
 
 
 def _norm_order(func, rest, kwargs) -> float:
