@@ -21,6 +21,7 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -34,7 +35,10 @@ from safetensors.torch import save_file
 
 from .format import COMPLETE, FORMAT, OLD_TAG, CheckpointError
 
-__all__ = ["commit", "digest", "digest_written", "read_json", "read_marker", "refuse_to_replace", "write_json", "write_safetensors"]
+log = logging.getLogger(__name__)
+
+__all__ = ["commit", "digest", "digest_written", "parse_json", "read_json", "read_marker", "refuse_to_replace",
+           "write_json", "write_safetensors"]
 
 CHUNK = 1 << 20
 # A checkpoint's files are opened without following a symbolic link (where the OS can):
@@ -56,21 +60,42 @@ def digest(file: str) -> dict:
     return {"size": size, "sha256": h.hexdigest()}
 
 
+def parse_json(text: str):
+    """JSON from a checkpoint's files, where any malformed text is a ValueError: json's
+    decoder recurses once per nesting level, so '[' * 100000 raises RecursionError, which
+    the callers' checks for bad input (and their callers' `except OSError`) would let through."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("it is nested too deeply to be JSON that zerodp wrote") from None
+
+
 def read_json(file: str):
     with open_nofollow(file, "r") as f:
-        return json.load(f)
+        return parse_json(f.read())
 
 
 def read_marker(directory: str) -> dict | None:
     """The COMPLETE marker of a zerodp checkpoint directory, or None if it is none (no
-    marker, a linked one, or another program's file of that name)."""
+    marker, a linked one, or another program's file of that name). A marker that is not
+    JSON is logged: the directory looks like a checkpoint, and the user may wonder why it
+    is not one."""
+    file = os.path.join(directory, COMPLETE)
     try:
-        marker = read_json(os.path.join(directory, COMPLETE))
-    except (OSError, ValueError):
+        marker = read_json(file)
+    except OSError:
+        return None
+    except ValueError as e:
+        log.warning("%s is not a complete zerodp checkpoint, skipped: its %s is not JSON (%s)", directory, COMPLETE,
+                    _shown(str(e)))
         return None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
         return None
     return marker
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def refuse_to_replace(path: str) -> None:
@@ -147,7 +172,7 @@ def digest_written(file: str, tensors: dict) -> dict:
         header = f.read(int.from_bytes(prefix, "little")) if len(prefix) == 8 else b""
         size = os.fstat(f.fileno()).st_size
     try:
-        index = json.loads(header)
+        index = parse_json(header)
     except ValueError as e:
         raise CheckpointError(f"{file}: the safetensors header just written does not parse ({e})") from e
     names = sorted(k for k in index if k != "__metadata__")

@@ -5,16 +5,21 @@ and how ranks report a failure to each other.
 A checkpoint is one directory:
 
     metadata.json           rank 0: versions, config, world size, stage, dtypes, param groups,
-                            scalar optimizer states, loss scaler, step, the user's `extra`, and
-                            for every trainable parameter its shape, dtype, group and which rank
-                            file holds which element ranges ("pieces")
+                            scalar optimizer states, loss scaler, step, the user's `extra`, the
+                            names of the optimizer states (`state_keys`), and for every trainable
+                            parameter its shape, dtype, group, which rank file holds which element
+                            ranges ("pieces"), and "states", its own state names, where they are
+                            not all of `state_keys` (Muon's momentum beside AdamW's moments, SGD
+                            without momentum in one group: none)
     rank{r}.safetensors     rank r's owned element ranges: master/{name}/{start} (fp32),
                             state/{key}/{name}/{start} (exp_avg, ...), param/{name}/{start}
                             (the compute-dtype value, only when it is not fp32: in fp32 the
                             master is the parameter), and frozen/{name}/{start} (a frozen
                             parameter sharded at stage 3 or split by tensor parallelism, in its
                             own dtype; metadata's "frozen" lists its pieces as "params" does)
-    rank{r}.json            rank r's RNG states (torch, CUDA, python, numpy)
+    rank{r}.json            rank r's RNG states (torch, CUDA, python, numpy); under tensor
+                            parallelism also its tensor-parallel rank and the split of each
+                            split parameter it wrote ([Note: tensor-parallel pieces])
     replicated.safetensors  rank 0: buffers and frozen parameters of stages 0-2, by state_dict name
     COMPLETE                written last: size and sha256 of every other file
 

@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from .files import digest, read_json
 from .format import (COMPLETE, FORMAT, FORMAT_VERSION, METADATA, TMP_TAG, CheckpointError, InvalidCheckpoint,
-                     PathLike, describe_error, is_format_name, rank_file)
-from .schema import check_listing, check_metadata, check_rng
+                     PathLike, describe_error, is_format_name, rank_file, rank_json)
+from .schema import check_listing, check_metadata, check_rng, check_tp_record
 from .tp_pieces import piece_runs
 
 __all__ = ["Reader", "flat_range", "name_mismatch", "open_checkpoint", "read_rank_json", "verify"]
@@ -25,21 +25,31 @@ def open_checkpoint(path: PathLike) -> tuple[str, dict, dict]:
     Checks COMPLETE and metadata.json whole ([Note: a checkpoint is input] in schema.py), and
     presence and size of every file; contents are checked as they are read. Only names the
     format writes are opened, each a regular file directly in the directory's real path."""
-    path = os.path.realpath(os.fspath(path))  # a link to the checkpoint is fine; its files are inside its target
+    # A link to the checkpoint is fine: its files are inside its target.
+    path = os.path.realpath(os.fsdecode(os.fspath(path)))
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # as `save` refuses to write one: see saving._check_path
+        raise CheckpointError(f"checkpoint path {path!r} is not valid UTF-8: safetensors, which zerodp reads "
+                              f"checkpoints with, opens only UTF-8 paths; rename it to a UTF-8 name") from None
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint: a zerodp checkpoint is a directory, this is a file")
     if TMP_TAG in os.path.basename(path):
         raise CheckpointError(f"{path} is the temporary directory of a save that did not finish; "
                               f"use zerodp.latest() to find the newest complete checkpoint")
     if not os.path.lexists(os.path.join(path, COMPLETE)):
+        if not os.path.isdir(path):
+            raise removed(path, COMPLETE)
         if not os.path.lexists(os.path.join(path, METADATA)):
             raise CheckpointError(f"{path} is not a zerodp checkpoint: it has neither {METADATA} nor {COMPLETE}")
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): the save that wrote it "
                               f"did not finish; use zerodp.latest() to find the newest complete checkpoint")
     try:
         files = check_listing(path, read_json(inside(path, COMPLETE)))
+    except FileNotFoundError:
+        raise removed(path, COMPLETE) from None
     except (OSError, ValueError) as e:
         if isinstance(e, InvalidCheckpoint):
             raise
@@ -54,12 +64,11 @@ def open_checkpoint(path: PathLike) -> tuple[str, dict, dict]:
         if size != d["size"]:
             problems.append(f"{name} has {size} bytes, {d['size']} were written (truncated?)")
     if problems:
+        if not os.path.isdir(path):
+            raise removed(path, COMPLETE)
         raise InvalidCheckpoint(f"checkpoint {path} is damaged: " + "; ".join(problems))
     verify(path, METADATA, files)
-    try:
-        meta = read_json(inside(path, METADATA))
-    except ValueError as e:
-        raise InvalidCheckpoint(f"checkpoint {path}: {METADATA} is not JSON ({e})") from e
+    meta = read_checked_json(path, METADATA)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         found = meta if not isinstance(meta, dict) else (meta.get("format"), meta.get("format_version"))
         raise InvalidCheckpoint(f"checkpoint {path} has format {found!r}; this zerodp reads {FORMAT!r} version "
@@ -86,10 +95,32 @@ def inside(path: str, name: str) -> str:
     return file
 
 
+def removed(path: str, name: str) -> CheckpointError:
+    """A file of a checkpoint that was complete a moment ago is gone: another job's save
+    pruned it (keep_last) or replaced it while this one read it. Not a damaged checkpoint:
+    `latest()` again finds the one to read now."""
+    what = f"checkpoint {path} was removed" if not os.path.isdir(path) else f"checkpoint {path}: {name} was removed"
+    return CheckpointError(f"{what} while being read (keep_last pruning?); load another checkpoint, e.g. "
+                           f"zerodp.latest() of its directory again")
+
+
+def read_checked_json(path: str, name: str):
+    """A JSON file of the checkpoint, once verify() checked it."""
+    try:
+        return read_json(inside(path, name))
+    except FileNotFoundError:
+        raise removed(path, name) from None
+    except ValueError as e:
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} is not JSON ({e})") from e
+
+
 def verify(path: str, name: str, files: dict) -> None:
     if name not in files:
         raise InvalidCheckpoint(f"checkpoint {path}: {name} is not listed in {COMPLETE}")
-    found = digest(inside(path, name))
+    try:
+        found = digest(inside(path, name))
+    except FileNotFoundError:
+        raise removed(path, name) from None
     if found["sha256"] != files[name]["sha256"]:
         raise InvalidCheckpoint(f"checkpoint {path}: {name} is corrupt (sha256 {found['sha256'][:12]}..., "
                                 f"{files[name]['sha256'][:12]}... was written)")
@@ -98,11 +129,7 @@ def verify(path: str, name: str, files: dict) -> None:
 def read_rank_json(path: str, name: str, files: dict) -> dict:
     """A rank's RNG states, after its sha256 and its contents are checked."""
     verify(path, name, files)
-    try:
-        obj = read_json(inside(path, name))
-    except ValueError as e:
-        raise InvalidCheckpoint(f"checkpoint {path}: {name} is not JSON ({e})") from e
-    return check_rng(path, name, obj)
+    return check_rng(path, name, read_checked_json(path, name))
 
 
 class Reader(contextlib.ExitStack):
@@ -112,6 +139,7 @@ class Reader(contextlib.ExitStack):
         super().__init__()
         self.path, self.files = path, files
         self._open: dict = {}
+        self._records: dict = {}  # rank -> what its rank{r}.json records of its pieces, or None
 
     def file(self, name: str):
         if name not in self._open:
@@ -122,8 +150,36 @@ class Reader(contextlib.ExitStack):
             except InvalidCheckpoint:
                 raise
             except Exception as e:
+                if not os.path.exists(os.path.join(self.path, name)):
+                    raise removed(self.path, name) from e
                 raise InvalidCheckpoint(f"checkpoint {self.path}: {name} is not a safetensors file ({e})") from e
         return self._open[name]
+
+    def tp_record(self, rank: int) -> dict | None:
+        """What rank{r}.json records of the slices rank{r}.safetensors holds (under tensor
+        parallelism; None in checkpoints without, and in those of a zerodp before the record)."""
+        if rank not in self._records:
+            name = rank_json(rank)
+            verify(self.path, name, self.files)
+            self._records[rank] = check_tp_record(self.path, name, read_checked_json(self.path, name))
+        return self._records[rank]
+
+    def _check_piece(self, kind: str, name: str, info: dict, rank: int, tp_rank: int) -> None:
+        """metadata.json's split of `name` and the tensor-parallel rank of its piece in rank
+        `rank`'s file are what that rank recorded when it wrote the piece: a changed split
+        or a piece pointed at another tensor-parallel rank's file would otherwise read
+        valid tensors into the wrong places ([Note: tensor-parallel pieces] in tp_pieces.py)."""
+        record = self.tp_record(rank)
+        if record is None:
+            return
+        wrote = record["splits"].get(name)
+        if record["rank"] != tp_rank or wrote != info.get("split"):
+            section = "frozen" if kind == "frozen" else "params"
+            raise InvalidCheckpoint(
+                f"checkpoint {self.path}: {METADATA} has {section}[{name!r}] split {info.get('split')} with a piece "
+                f"of tensor-parallel rank {tp_rank}'s slice in {rank_file(rank)}, but {rank_json(rank)} records that "
+                f"rank {rank} wrote tensor-parallel rank {record['rank']}'s slices, with {name} split {wrote}; "
+                f"{METADATA} was changed after the save: use another checkpoint")
 
     def tensor_slice(self, name: str, key: str, shape: list, dtype: str | None = None):
         """`get_slice(key)` of file `name`, once its shape (and dtype) is what the metadata says."""
@@ -147,21 +203,24 @@ class Reader(contextlib.ExitStack):
         out = torch.empty(numel, dtype=dtype)
         saved = piece_runs(info)
         starts = [r[0] for r in saved]
-        hits: dict = {}  # (rank, piece start, piece numel) -> [(offset in the piece, offset in out, length)]
+        # (rank, piece start, piece numel, tensor-parallel rank) -> [(offset in the piece, offset in out, length)]
+        hits: dict = {}
         covered = 0
         for g, at, n in want:
             i = max(bisect.bisect_right(starts, g) - 1, 0)
             while i < len(saved) and saved[i][0] < g + n:
-                s_g, s_n, rank, p_start, p_numel, p_off = saved[i]
+                s_g, s_n, rank, p_start, p_numel, p_off, tp_rank = saved[i]
                 lo, hi = max(g, s_g), min(g + n, s_g + s_n)
                 if lo < hi:
-                    hits.setdefault((rank, p_start, p_numel), []).append((p_off + lo - s_g, at + lo - g, hi - lo))
+                    hits.setdefault((rank, p_start, p_numel, tp_rank), []).append(
+                        (p_off + lo - s_g, at + lo - g, hi - lo))
                     covered += hi - lo
                 i += 1
         if covered != numel:
             raise CheckpointError(f"checkpoint {self.path}: {numel} elements of {name} were asked for, "
                                   f"{covered} are held by its rank files")
-        for (rank, p_start, p_numel), runs in hits.items():
+        for (rank, p_start, p_numel, tp_rank), runs in hits.items():
+            self._check_piece(kind, name, info, rank, tp_rank)
             piece = self.tensor_slice(rank_file(rank), f"{kind}/{name}/{p_start}", [p_numel])
             lo, hi = min(r[0] for r in runs), max(r[0] + r[2] for r in runs)
             block = piece[lo:hi]  # what this rank needs of the piece, and what lies between

@@ -31,7 +31,6 @@ storage), which gives every file a new time, keeps the order.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -72,7 +71,7 @@ def owner_record() -> dict:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no process can have that pid
         return False
     except PermissionError:  # someone else's process
         return True
@@ -87,13 +86,15 @@ def _is_stale(entry: os.DirEntry, now: float) -> bool:
         return now - st.st_mtime > OLD_STALE_S
     age = now - st.st_mtime
     try:
-        with open(os.path.join(entry.path, OWNER)) as f:
-            owner = json.load(f)
-    except (OSError, ValueError):
-        return age > FOREIGN_STALE_S  # no owner recorded (yet, or by an older zerodp)
+        owner = read_json(os.path.join(entry.path, OWNER))
+        pid, started = int(owner.get("pid", -1)), float(owner.get("started", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        # No owner recorded (yet, or by an older zerodp), or a record zerodp did not write:
+        # judged by age alone, as one without.
+        return age > FOREIGN_STALE_S
     if owner.get("host") == _machine():
-        return not _alive(int(owner.get("pid", -1)))
-    return now - float(owner.get("started", 0.0)) > FOREIGN_STALE_S
+        return not _alive(pid)
+    return now - started > FOREIGN_STALE_S
 
 
 LEFTOVER_NAME = re.compile(".+(" + "|".join(re.escape(t) for t in (TMP_TAG, OLD_TAG, STAGING_TAG)) + ")[0-9a-f]{12}")

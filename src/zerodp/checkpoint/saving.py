@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..distributed.agreement import first_disagreement
 from ..version import __version__
 from . import files as fileio  # by module, so a test can fail its writes
 from .format import (
@@ -70,13 +71,48 @@ def _slices_to_write(model, optimizer) -> tuple[list, list]:
     return [s for s in optimizer.owned_slices() if s.numel > 0 and (tp_rank == 0 or s.name in splits)], frozen
 
 
-def _piece(s, splits: dict, tp_rank: int, kind) -> tuple:
+def _piece(s, splits: dict, tp_rank: int, kind, states=()) -> tuple:
     """One owned slice (or frozen run) as the plan exchanges it: its original shape, `kind`
-    (a trainable slice's param group, a frozen run's dtype), and for a split parameter the
-    split and the tensor-parallel rank whose slice `start` counts in."""
+    (a trainable slice's param group, a frozen run's dtype), for a split parameter the
+    split and the tensor-parallel rank whose slice `start` counts in, and the names of its
+    optimizer states."""
     split = splits.get(s.name)
     shape = list(s.shape) if split is None else split.global_shape(s.shape)
-    return (s.name, s.start, s.numel, shape, kind, split_info(split), tp_rank)
+    return (s.name, s.start, s.numel, shape, kind, split_info(split), tp_rank, sorted(states))
+
+
+def states_by_parameter(agreed: list) -> dict:
+    """Each trainable parameter's optimizer state names, from every rank's plan entry.
+
+    They differ between parameters: Muon's momentum beside AdamW's moments in the Muon
+    recipe, SGD's momentum buffer only where a group's momentum is not 0, AdamW's
+    max_exp_avg_sq only in an amsgrad group. The checkpoint records one set per parameter,
+    so every piece of a parameter must have it; raised on every rank alike (the entries are
+    the same everywhere)."""
+    out: dict = {}
+    for r, st in enumerate(agreed):
+        for name, start, *_, states in st["pieces"]:
+            first = out.setdefault(name, (states, r, start))
+            if first[0] != states:
+                raise CheckpointError(
+                    f"parameter {name} has optimizer states {first[0]} in the piece rank {first[1]} owns from "
+                    f"element {first[2]} and {states} in the piece rank {r} owns from element {start}: the optimizer "
+                    f"created states for part of it only, and a zerodp checkpoint holds one set of states per "
+                    f"parameter; save after a step that updated every element of it")
+    return {name: states for name, (states, _, _) in out.items()}
+
+
+def _check_path(path: str) -> None:
+    """A checkpoint path safetensors can open. Its reader (Rust) takes UTF-8 paths only, so
+    a directory name that is not (a bytes name such as b'ckpt\\xff') would be written and
+    then refused by every load and `consolidate`, and by any other safetensors tool: the
+    save is refused instead, before anything is written."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"checkpoint path {path!r} is not valid UTF-8: safetensors, which zerodp writes and "
+                              f"reads checkpoints with, opens only UTF-8 paths, so the checkpoint could not be "
+                              f"loaded; save under a UTF-8 name") from None
 
 
 @dataclass
@@ -88,9 +124,10 @@ class Plan:
     slices: list  # this rank's OwnedSlices to write
     agreed: list  # every rank's plan entry: pieces, state keys, scalar states
     frozen: list = field(default_factory=list)  # this rank's FrozenSlices to write (stage 3)
+    states: dict = field(default_factory=dict)  # trainable parameter -> its optimizer state names
 
 
-def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict) -> Plan:
+def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict, asynchronous: bool = False) -> Plan:
     """Step 1: check the arguments and `path` on every rank, make the temporary directory
     (rank 0) and exchange who writes what. Raises the same CheckpointError on every rank."""
     comm = ranks_of(optimizer)
@@ -99,15 +136,20 @@ def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict) -> 
     staging = f"{path}{STAGING_TAG}{save_id}"
     slices: list = []
     frozen: list = []
+    # Arguments whose value decides which collectives follow (an asynchronous save agrees on
+    # its own channel, keep_last prunes after the commit), so that ranks that differ would
+    # wait on each other until the store times out, or rank 0's would silently win.
+    arguments = {"asynchronous": asynchronous, "keep_last": keep_last}
     try:
+        _check_path(path)
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: use a positive integer (or None to keep every checkpoint)")
         json.dumps(extra)
         fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
         slices, frozen = _slices_to_write(model, optimizer)
         splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
-        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}",
-                 "pieces": [_piece(s, splits, tp_rank, s.group) for s in slices],
+        local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}", "arguments": arguments,
+                 "pieces": [_piece(s, splits, tp_rank, s.group, s.states) for s in slices],
                  "frozen": [_piece(s, splits, tp_rank, dtype_name(s.dtype)) for s in frozen],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
@@ -116,17 +158,23 @@ def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict) -> 
             fileio.write_json(os.path.join(staging, OWNER), owner_record())
             os.rename(staging, local["tmp"])
     except Exception as e:  # noqa: BLE001 - reported through the exchange, so no rank waits forever
-        local = {"ok": False, "error": describe_error(e)}
+        local = {"ok": False, "error": describe_error(e), "arguments": arguments}
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
     agreed = comm.all_gather_object(local, "checkpoint", label=f"save of {path}: plan")
     try:
+        differs = first_disagreement([st["arguments"] for st in agreed])
+        if differs:
+            raise CheckpointError(f"rank {rank}: save of {path} refused, nothing was written: the ranks disagree on "
+                                  f"zerodp.save's argument {differs}; every rank must call zerodp.save with the "
+                                  f"same keep_last and asynchronous")
         raise_if_failed(agreed, f"save of {path} (nothing was written)")
+        states = states_by_parameter(agreed)
     except CheckpointError:
         if rank == 0 and local.get("tmp"):
             shutil.rmtree(local["tmp"], ignore_errors=True)
         raise
-    return Plan(path, agreed[0]["tmp"], slices, agreed, frozen)
+    return Plan(path, agreed[0]["tmp"], slices, agreed, frozen, states)
 
 
 @dataclass
@@ -139,6 +187,9 @@ class Snapshot:
     rng: dict
     replicated: Optional[dict]  # rank 0: replicated.safetensors
     metadata: Optional[dict]  # rank 0: metadata.json
+    # Under tensor parallelism, rank{r}.json's record of the slices rank{r}.safetensors holds:
+    # [Note: tensor-parallel pieces] in tp_pieces.py.
+    tensor_parallel: Optional[dict] = None
 
     @property
     def nbytes(self) -> int:
@@ -193,16 +244,18 @@ def take_snapshot(model, optimizer, agreed: Plan, extra: dict, stage: Optional[C
             replicated = {k[1]: v for k, v in staged.items() if isinstance(k, tuple)}
     if rank == 0:
         # A JSON copy: the caller's `extra` (a scheduler's state_dict) may change once save returns.
-        meta = json.loads(json.dumps(_metadata(model, optimizer, view, agreed.agreed, extra)))
-    return Snapshot(rank, optimizer.step_count, tensors, rng_state(), replicated, meta)
+        meta = json.loads(json.dumps(_metadata(model, optimizer, view, agreed, extra)))
+    return Snapshot(rank, optimizer.step_count, tensors, rng_state(), replicated, meta,
+                    rank_record(optimizer, agreed.slices, agreed.frozen))
 
 
 def write_files(tmp: str, snap: Snapshot) -> dict:
     """Step 3: this rank's files in `tmp`, fsynced; returns {name: {size, sha256}}."""
     os.makedirs(tmp, exist_ok=True)
     r = snap.rank
+    record = {"rng": snap.rng, **({} if snap.tensor_parallel is None else {"tensor_parallel": snap.tensor_parallel})}
     files = {rank_file(r): fileio.write_safetensors(os.path.join(tmp, rank_file(r)), snap.tensors),
-             rank_json(r): fileio.write_json(os.path.join(tmp, rank_json(r)), {"rng": snap.rng})}
+             rank_json(r): fileio.write_json(os.path.join(tmp, rank_json(r)), record)}
     if snap.replicated is not None:
         files[REPLICATED] = fileio.write_safetensors(os.path.join(tmp, REPLICATED), snap.replicated)
     if snap.metadata is not None:
@@ -261,17 +314,34 @@ def _tidy(directory: str, keep_last: Optional[int], saved: str) -> None:
         remove_stale(directory)
         if keep_last is not None:
             prune(directory, keep_last, keep=saved)
-    except OSError as e:
-        log.warning("checkpoint %s saved, but tidying %s failed: %s", saved, directory, e)
+    except Exception as e:  # noqa: BLE001 - rank 0 tidies alone: raising would fail the committed save on it only
+        log.warning("checkpoint %s saved, but tidying %s failed: %s: %s", saved, directory, type(e).__name__, e)
 
 
-def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> dict:
+def rank_record(optimizer, slices: list, frozen: list) -> Optional[dict]:
+    """Under tensor parallelism, what rank{r}.json records of this rank's pieces: its
+    tensor-parallel rank and the split of each split parameter it writes, so that a reader
+    can check metadata.json's splits and pieces against what each rank wrote
+    ([Note: tensor-parallel pieces] in tp_pieces.py)."""
+    topology = optimizer.comm.topology
+    if topology.tp_size == 1:
+        return None
+    splits = splits_of(optimizer)
+    return {"rank": topology.tp_rank, "size": topology.tp_size,
+            "splits": {s.name: split_info(splits[s.name]) for s in [*slices, *frozen] if s.name in splits}}
+
+
+def _metadata(model, optimizer, view: ModelView, plan: Plan, extra: dict) -> dict:
     cfg = optimizer.config
+    agreed = plan.agreed
     params: dict = {}
+    state_keys = sorted({k for st in agreed for k in st["state_keys"]})
     for r, st in enumerate(agreed):
-        for name, start, numel, shape, group, split, tp_rank in st["pieces"]:
+        for name, start, numel, shape, group, split, tp_rank, _ in st["pieces"]:
             p = params.setdefault(name, {"shape": shape, "dtype": dtype_name(cfg.compute_dtype),
                                          "group": group, "pieces": []})
+            if plan.states[name] != state_keys:  # only where they differ: [Note: checkpoint layout]
+                p["states"] = plan.states[name]
             if split is None:
                 p["pieces"].append([r, start, numel])
             else:  # [Note: tensor-parallel pieces]
@@ -279,7 +349,7 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
                 p["pieces"].append([r, start, numel, tp_rank])
     frozen: dict = {}
     for r, st in enumerate(agreed):
-        for name, start, numel, shape, dtype, split, tp_rank in st["frozen"]:
+        for name, start, numel, shape, dtype, split, tp_rank, _ in st["frozen"]:
             p = frozen.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
             if split is None:
                 p["pieces"].append([r, start, numel])
@@ -300,7 +370,7 @@ def _metadata(model, optimizer, view: ModelView, agreed: list, extra: dict) -> d
         "compute_dtype": dtype_name(cfg.compute_dtype), "master_dtype": "float32",
         "config": cfg.to_dict(), "model": type(model).__name__, "optimizer": type(optimizer.inner).__name__,
         "param_groups": group_hyperparameters(optimizer), "scalar_states": scalars,
-        "state_keys": sorted({k for st in agreed for k in st["state_keys"]}),
+        "state_keys": state_keys,
         "step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict(), "extra": extra,
         "params": params, "frozen": frozen,
         "replicated": {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in view.replicated.items()},

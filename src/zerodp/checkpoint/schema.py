@@ -23,7 +23,7 @@ from ..config import DTYPES
 from .format import COMPLETE, METADATA, REPLICATED, InvalidCheckpoint, dtype_name, is_format_name, rank_file
 from .rng import from_b64
 
-__all__ = ["check_hyperparameters", "check_listing", "check_metadata", "check_rng"]
+__all__ = ["check_hyperparameters", "check_listing", "check_metadata", "check_rng", "check_tp_record", "saved_states"]
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 COMPUTE_DTYPES = {dtype_name(d) for d in DTYPES.values()}
@@ -31,7 +31,10 @@ MASTER_BYTES = 4  # the fp32 master of every element is in the rank files
 
 
 def _show(value) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # JSON nested nearly as deep as the decoder allows
+        return "a value nested too deeply to show"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -96,6 +99,10 @@ def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, hel
     if not isinstance(pieces, list):
         raise _bad(path, METADATA, f"{field}.pieces", pieces, "not a list")
     size = _check_split(path, field, info)
+    tp_size = meta.get("tensor_parallel_size", 1)
+    if "split" in info and size != tp_size:
+        raise _bad(path, METADATA, f"{field}.split", info["split"],
+                   f"not a split into the checkpoint's tensor_parallel_size {tp_size}")
     slice_numel = numel // size
     tp_rank, end = 0, 0
     for piece in pieces:
@@ -110,6 +117,11 @@ def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, hel
             raise _bad(path, METADATA, f"{field}.pieces", piece,
                        f"not [rank < world_size {meta['world_size']}, start {end}, numel > 0{shown}]")
         rank, n = piece[0], piece[2]
+        if rank % tp_size != (piece[3] if width == 4 else 0):  # [Note: tensor-parallel pieces]
+            wanted = f"tensor-parallel rank {piece[3]}'s slice" if width == 4 else "an unsplit parameter"
+            raise _bad(path, METADATA, f"{field}.pieces", piece,
+                       f"a piece of {wanted} in {rank_file(rank)}, which holds tensor-parallel rank "
+                       f"{rank % tp_size}'s pieces (rank {rank} of {tp_size} tensor-parallel ranks)")
         if rank_file(rank) not in files:
             raise _bad(path, METADATA, f"{field}.pieces", piece, f"its {rank_file(rank)} is not listed in {COMPLETE}")
         held[rank] = held.get(rank, 0) + n * element_bytes
@@ -134,15 +146,31 @@ def _check_split(path: str, field: str, info: dict) -> int:
     return split["size"]
 
 
+def saved_states(meta: dict, name: str) -> list:
+    """The optimizer state names saved for trainable parameter `name`: its own where they
+    differ from the checkpoint's (Muon beside AdamW, SGD without momentum in one group),
+    else every one of `state_keys`."""
+    return meta["params"][name].get("states", meta["state_keys"])
+
+
 def _check_params(path: str, meta: dict, files: dict) -> None:
     params = meta.get("params")
     if not isinstance(params, dict):
         raise _bad(path, METADATA, "params", params, "not a mapping")
+    tp_size = meta.setdefault("tensor_parallel_size", 1)  # recorded only under tensor parallelism
+    if not _is_int(tp_size) or tp_size < 1 or meta["world_size"] % tp_size:
+        raise _bad(path, METADATA, "tensor_parallel_size", tp_size,
+                   f"not an integer >= 1 dividing world_size {meta['world_size']}")
     held: dict = {}
     for name, info in params.items():
         if not isinstance(info, dict):
             raise _bad(path, METADATA, f"params[{name!r}]", info, "not a mapping")
         _check_int(path, METADATA, f"params[{name!r}].group", info.get("group"), 0, len(meta["param_groups"]))
+        states = info.get("states", meta["state_keys"])
+        if not (isinstance(states, list) and len(set(states)) == len(states)
+                and all(isinstance(k, str) and k in meta["state_keys"] for k in states)):
+            raise _bad(path, METADATA, f"params[{name!r}].states", states,
+                       f"not a list of distinct names from state_keys {meta['state_keys']}")
         _check_dtype(path, f"params[{name!r}].dtype", info.get("dtype"))
         _check_pieces(path, name, info, meta, files, held)
     frozen = meta.setdefault("frozen", {})  # checkpoints written before frozen parameters were sharded lack it
@@ -295,6 +323,19 @@ def check_rng(path: str, name: str, obj) -> dict:
         raise InvalidCheckpoint(f"checkpoint {path}: {name} holds no valid RNG state ({type(e).__name__}: "
                                 f"{_show(str(e))}); zerodp did not write this: use another checkpoint") from e
     return state
+
+
+def check_tp_record(path: str, name: str, obj) -> dict | None:
+    """What a rank's rank{r}.json records of its pieces under tensor parallelism
+    ([Note: tensor-parallel pieces] in tp_pieces.py), or None where it records nothing."""
+    record = obj.get("tensor_parallel") if isinstance(obj, dict) else None
+    if record is None:
+        return None
+    if not (isinstance(record, dict) and _is_int(record.get("rank")) and _is_int(record.get("size"))
+            and 0 <= record["rank"] < record["size"] and isinstance(record.get("splits"), dict)):
+        raise InvalidCheckpoint(f"checkpoint {path}: {name} has tensor_parallel = {_show(record)}, not "
+                                f"{{rank, size, splits}}; zerodp did not write this: use another checkpoint")
+    return record
 
 
 def _check_numpy(state) -> None:

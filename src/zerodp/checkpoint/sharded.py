@@ -20,6 +20,7 @@ from torch import nn
 
 from ..distributed.agreement import describe_trained, first_disagreement
 from . import background, saving
+from .files import read_marker
 from .format import (
     METADATA,
     REPLICATED,
@@ -38,7 +39,7 @@ from .format import (
 from .reader import Reader, flat_range, name_mismatch, open_checkpoint, read_rank_json
 from .retention import by_completion
 from .rng import set_rng_state
-from .schema import check_hyperparameters
+from .schema import check_hyperparameters, saved_states
 from .tp_pieces import local_runs, ranks_of, splits_of
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ def save(path: PathLike, model: nn.Module, optimizer, *, keep_last: int | None =
     """
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     background.wait_in_flight(optimizer)
-    path = os.path.abspath(os.fspath(path))
-    agreed = saving.plan(path, model, optimizer, keep_last, extra)
+    path = os.path.abspath(os.fsdecode(os.fspath(path)))
+    agreed = saving.plan(path, model, optimizer, keep_last, extra, asynchronous)
     if asynchronous:
         snap = saving.take_snapshot(model, optimizer, agreed, extra, stage=background.staging(optimizer).stage)
         return background.start(optimizer, path, agreed.tmp, snap, keep_last)
@@ -154,10 +155,17 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
     if moved:
         raise CheckpointError(f"checkpoint {path}: parameters {moved[:10]} are in another param group "
                               f"than in the checkpoint")
-    have_states = {k for s in slices for k in s.states}
-    if have_states and meta["state_keys"] and have_states != set(meta["state_keys"]):
-        raise CheckpointError(f"checkpoint {path} holds optimizer states {meta['state_keys']}; the optimizer "
-                              f"has {sorted(have_states)}")
+    # Per parameter: they differ between param groups and optimizers (Muon beside AdamW).
+    # A slice without states yet gets them from the load ([Note: validate, then write]).
+    if meta["state_keys"]:
+        differ = {s.name: sorted(s.states) for s in slices
+                  if s.states and set(s.states) != set(saved_states(meta, s.name))}
+        if differ:
+            name = min(differ)
+            more = f" (and {len(differ) - 1} more parameters)" if len(differ) > 1 else ""
+            raise CheckpointError(f"checkpoint {path} holds optimizer states {saved_states(meta, name)} for {name}; "
+                                  f"the optimizer has {differ[name]}{more}: load into an optimizer built with the "
+                                  f"same param groups and hyperparameters as the saved one")
     check_hyperparameters(path, meta["param_groups"], optimizer.inner.param_groups)
     splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
     masters, states = [], []
@@ -168,7 +176,7 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
         # By the original parameter's coordinates: [Note: tensor-parallel pieces].
         want = local_runs(info["shape"], splits.get(s.name), tp_rank, s.start, s.numel)
         masters.append((s, reader.read_runs("master", s.name, info, want, s.numel, torch.float32)))
-        for key in meta["state_keys"]:
+        for key in saved_states(meta, s.name):
             states.append((s, key, reader.read_runs(f"state/{key}", s.name, info, want, s.numel, torch.float32)))
     # Shapes from the file itself, against the model's: copy_ would broadcast a [1] silently.
     replicated = {}
@@ -217,12 +225,13 @@ def _apply(meta: dict, loaded: _Loaded, optimizer) -> None:
         s.write(s.master, value)
     # owned_slices() again: materialize_state may just have created the states.
     live = {(s.name, s.start): s for s in optimizer.owned_slices()}
+    missing = sorted({(s.name, key) for s, key, _ in loaded.states if key not in live[(s.name, s.start)].states})
+    if missing:
+        raise CheckpointError(f"the optimizer has no state {missing[0][1]!r} for {missing[0][0]} "
+                              f"({len(missing)} in all); the checkpoint has")
     for s, key, value in loaded.states:
         s = live[(s.name, s.start)]
-        target = s.states.get(key)
-        if target is None:
-            raise CheckpointError(f"the optimizer has no state {key!r} for {s.name}; the checkpoint has")
-        s.write(target, value)
+        s.write(s.states[key], value)
     optimizer.load_scalar_states(meta["scalar_states"])
     scaler = dict(meta["loss_scaler"])
     if not (optimizer.config.uses_loss_scaling and meta["config"]["mixed_precision"] == "fp16"):
@@ -246,8 +255,14 @@ def latest(directory: PathLike) -> str | None:
     order `keep_last` prunes in ([Note: checkpoint order] in retention.py). Directories
     without a COMPLETE marker (unfinished or crashed saves) are ignored; contents are
     verified by `load`."""
-    directory = os.fspath(directory)
+    directory = os.fsdecode(os.fspath(directory))
     if not os.path.isdir(directory):
         return None
-    found = by_completion(directory)
-    return os.path.abspath(found[0]) if found else None
+    for path in by_completion(directory):
+        # keep_last may have pruned it since the listing (another job's save beside this
+        # one): the newest still there is the answer.
+        if read_marker(path) is not None:
+            return os.path.abspath(path)
+        log.info("checkpoint %s was removed since %s was listed (keep_last pruning?); trying the next newest",
+                 path, directory)
+    return None

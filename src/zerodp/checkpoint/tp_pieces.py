@@ -23,8 +23,17 @@ one-process model has. What changes:
   layout c x d at any stage loads any a x b checkpoint, including one process, with no
   conversion step, and `consolidate` gives the original model's state dict.
 
-Checkpoints written without tensor parallelism have no "split" and 3-element pieces: read
-as before, and into a tensor-parallel model too.
+- Checking: the pieces are trusted only as far as the rank files agree with them. A piece
+  [rank, start, numel, tp_rank] must lie in a file of tensor-parallel rank `tp_rank` (process
+  rank r holds tensor-parallel rank r % b's slices; an unsplit parameter's pieces, rank 0's),
+  and each rank's rank{r}.json records its tensor-parallel rank and the split of every split
+  parameter it wrote, which a reader compares with metadata.json's before it reads a piece.
+  Otherwise a `split` whose parts were changed (still cutting the shape evenly), or a piece
+  pointed at another tensor-parallel rank's file (which holds a tensor of the same name and
+  size), would read valid tensors into the wrong places without any other check failing.
+
+Checkpoints written without tensor parallelism have no "split", 3-element pieces and no
+record in rank{r}.json: read as before, and into a tensor-parallel model too.
 """
 from __future__ import annotations
 
@@ -85,14 +94,14 @@ def local_runs(shape, split: Optional[TensorSplit], tp_rank: int, start: int, nu
 
 def piece_runs(info: dict) -> list:
     """Every saved piece of one parameter as runs of the original flattened parameter:
-    (original flat start, length, rank, piece start, piece numel, offset in the piece),
-    sorted by where they start."""
+    (original flat start, length, rank, piece start, piece numel, offset in the piece,
+    tensor-parallel rank of the slice the piece is of), sorted by where they start."""
     split = saved_split(info)
     out = []
     for piece in info["pieces"]:
         rank, start, numel = piece[:3]
         tp_rank = piece[3] if split is not None else 0
         for g, off, n in local_runs(info.get("shape"), split, tp_rank, start, numel):
-            out.append((g, n, rank, start, numel, off))
+            out.append((g, n, rank, start, numel, off, tp_rank))
     out.sort()
     return out
