@@ -131,6 +131,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_access = ShardGradAccess(self)
         if self.grad_sync.presence is not None:
             self.grad_sync.presence.access = self.grad_access
+            # Where a rank's view of the flat gradient is not DDP's p.grad either: scaled by the
+            # fp16 loss scale, or a tensor-parallel slice.
+            if config.uses_loss_scaling or self.tensor_parallel is not None:
+                self.grad_sync.presence.handles_when_final = True
 
     @property
     def inner(self) -> torch.optim.Optimizer:

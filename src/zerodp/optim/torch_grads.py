@@ -108,8 +108,14 @@ class ShardGradAccess:
     def refusal(self, what: str, param: nn.Parameter) -> str:
         opt = self.optimizer
         name = self._names[self._index[id(param)]] if id(param) in self._index else "a parameter"
-        return (f"rank {opt.comm.rank}: `{what}` on p.grad of {name}: at stage {opt.config.stage} over "
-                f"{opt.comm.shard_size} ranks its reduced gradient is sharded, and no rank holds it whole, so p.grad "
+        if opt.config.stage >= 1 and opt.comm.shard_size > 1:
+            why = (f"at stage {opt.config.stage} over {opt.comm.shard_size} ranks its reduced gradient is sharded, "
+                   f"and no rank holds it whole")
+        elif opt.tensor_parallel is not None:
+            why = "under tensor parallelism this rank holds a slice of a split parameter's gradient"
+        else:
+            why = "under fp16 the rank's gradient buffer holds it times the loss scale, not DDP's value"
+        return (f"rank {opt.comm.rank}: `{what}` on p.grad of {name}: {why}, so p.grad "
                 f"has no values to read. torch.nn.utils.clip_grad_norm_, clip_grad_value_ and get_total_norm over "
                 f"the model's parameters (and p.grad.norm(), p.grad.mul_) work as under DDP; for the global norm use "
                 f"optimizer.clip_grad_norm_(max_norm), which returns it (docs/contract.md)")
