@@ -73,9 +73,31 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
     return inner, groups, described, carried
 
 
+class RefuseDDP:
+    """Stands as a zerodp model's `_ddp_params_and_buffers_to_ignore`, the names
+    DistributedDataParallel's constructor reads from its module, first and before any
+    collective (`set(module._ddp_params_and_buffers_to_ignore)`). A wrapper that puts the model
+    in DDP on its own (accelerate's `Accelerator.prepare`, which zerodp cannot change) then
+    raises on every rank instead of reducing every gradient a second time."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def __iter__(self):
+        raise TypeError(
+            f"this {self.model_name} was passed to zerodp.initialize, which reduces and shards its gradients "
+            f"itself: DistributedDataParallel must not wrap it (it would reduce them again). With Hugging Face "
+            f"Accelerate use `from zerodp.integrations.accelerate import Accelerator` (Accelerator(..., "
+            f"zerodp_config=zerodp.Config(...)), which prepares the plain model and shards it itself); with the "
+            f"Trainer, zerodp.integrations.hf.Trainer; in a torch loop, use the model zerodp.initialize returns as "
+            f"it is")
+
+
 def install_ddp_accumulation(model: nn.Module, schedule) -> None:
     """DDP's `require_backward_grad_sync` attribute and `no_sync()` context manager on the
-    model, read by the root forward ([Note: DDP's accumulation flag] in schedule/base.py)."""
+    model, read by the root forward ([Note: DDP's accumulation flag] in schedule/base.py);
+    and DDP's constructor refused on it (`RefuseDDP`)."""
+    model._ddp_params_and_buffers_to_ignore = RefuseDDP(type(model).__name__)
     model.require_backward_grad_sync = True
 
     @contextlib.contextmanager
