@@ -20,6 +20,7 @@ from .config import Config, ConfigError
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
+from .expert_parallel import ExpertParallelModel, apply_expert_parallel
 from .integrations.peft import refuse_in_place_merges
 from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
@@ -32,7 +33,7 @@ from .schedule.stage3 import Stage3Engine
 from .sharding.model_state import install_state_dict_hooks, install_whole_load_hook
 from .sharding.meta_init import default_device, has_meta, materialize
 from .sharding.prepare import check_param_dtypes
-from .sharding.shard import flatten_groups, shard_units
+from .sharding.shard import ExpertShards, flatten_groups, shard_units
 from .tensor_parallel import parallelize
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
         raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
                          f"there is nothing for zerodp to shard or train")
     check_param_dtypes(named, config.precision)
+    if config.expert_parallel_size > 1 and has_meta(model):
+        raise ConfigError(f"Config.expert_parallel_size={config.expert_parallel_size}: the model was built on the "
+                          f"meta device (zerodp.init), and its expert banks are split from rank 0's whole values: "
+                          f"build the model on a device")
     devices = {p.device for _, p in named}
     if len(devices) != 1:
         raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
@@ -114,6 +119,14 @@ def install_ddp_accumulation(model: nn.Module, schedule) -> None:
     model.register_forward_pre_hook(eager_hook(
         lambda module, args: schedule.note_forward(module.require_backward_grad_sync)
         if torch.is_grad_enabled() else None))
+
+
+def _split_experts(model: nn.Module, comm: Comm, ep_size: int) -> tuple[Comm, ExpertParallelModel]:
+    """The comm with the ``ep`` axis, and the model's banks split over it, their comm over the
+    expert-data-parallel ranks beside (the same ledger): [Note: expert-parallel axes]."""
+    topology, expert_topology = comm.topology.with_expert_parallel(ep_size)
+    comm = Comm(topology=topology, ledger=comm.ledger)
+    return comm, apply_expert_parallel(model, comm, Comm(topology=expert_topology, ledger=comm.ledger))
 
 
 def _world_facts(model: nn.Module, process_group, on_meta: bool) -> WorldFacts:
@@ -190,10 +203,17 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                                                              config.collective_timeout_s, config.replicate_size),
                     ledger=comm.ledger)
     tensor_parallel = parallelize(model, comm, config.tensor_parallel)
+    experts = None
+    if config.expert_parallel_size > 1:  # [Note: expert-parallel axes]; docs/moe.md
+        comm, expert_parallel = _split_experts(model, comm, config.expert_parallel_size)
+        experts = ExpertShards(expert_parallel.param_ids, tuple(expert_parallel.modules.items()),
+                               expert_parallel.expert_comm, comm.world_size)
+        model.zerodp_expert_parallel = expert_parallel
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,
-                              config.zeropp, whole=whole_param_flags(inner, group_indices, len(named)))
+                              config.zeropp, whole=whole_param_flags(inner, group_indices, len(named)),
+                              experts=experts)
         try:
             schedule = Stage3Engine(sharded.units, comm, config.backward, config.units, sharded.pool,
                                     sharded.secondary_pool)
@@ -213,13 +233,14 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                  ", ".join(u.name for u in sharded.units[:4]) + (" ..." if len(sharded.units) > 4 else ""))
     else:
         flat = flatten_groups(model, named, group_indices, comm, config.stage, config.precision,
-                              config.bucket_bytes, whole=whole_param_flags(inner, group_indices, len(named)))
+                              config.bucket_bytes, whole=whole_param_flags(inner, group_indices, len(named)),
+                              experts=experts)
         reducer = GradReducer(flat.groups, comm, config.backward, flat.backward_order)
         model.register_forward_pre_hook(eager_hook(lambda module, args: reducer.check_no_open_backward()))
         model.register_forward_hook(eager_hook(lambda module, args, output: reducer.watch_outputs(output)
                                                if torch.is_grad_enabled() else None))
         frozen = [p for p in model.parameters() if not p.requires_grad]
-        opt = ZeroOptimizer(inner, ShardedModel([[g] for g in flat.groups], named, group_indices, reducer,
+        opt = ZeroOptimizer(inner, ShardedModel(flat.storages, named, group_indices, reducer,
                                                 tensor_parallel=tensor_parallel, frozen=lambda: frozen), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         if comm.topology.tp_size > 1:  # split parameters' state dict values are DTensors here too

@@ -225,6 +225,15 @@ class Config:
     `partition_activations`, else whole) live in host memory (pinned on CUDA) and are copied
     back ahead of their recomputation. Needs a checkpointed layer in the model."""
 
+    expert_parallel_size: int = 1
+    """Expert parallelism for mixture-of-experts models (docs/moe.md): each expert bank the
+    model's plan names (its own `expert_parallel_plan`, or a Hugging Face config's
+    `base_model_ep_plan`) is split by expert over groups of this many consecutive
+    data-parallel ranks, and tokens travel to their experts' ranks and back with all-to-all;
+    every rank still reads its own batch. ZeRO shards the expert banks over the N /
+    expert_parallel_size ranks that hold the same experts and everything else over all N.
+    Must divide the world size and each bank's number of experts; stages 1-3."""
+
     compile_units: bool = False
     """Compile the model with torch.compile, zerodp's hooks outside the compiled code
     (docs/compile.md): stage 3 compiles each unit's own forward (gathered, freed and reduced
@@ -273,6 +282,7 @@ class Config:
                 raise _bad(name, getattr(self, name), "use true or false")
         self._check_zeropp()
         self._check_tensor_parallel()
+        self._check_expert_parallel()
         if not _is_one_of(self.offload_optimizer, OFFLOAD_PLACES):
             raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
         if not _is_one_of(self.offload_params, OFFLOAD_PLACES):
@@ -378,6 +388,37 @@ class Config:
         for name, off in (("hpz", False), ("quantize_grads", None)):
             if getattr(self, name) != off:
                 raise _bad(name, getattr(self, name), f"{reasons[name]}; use {off!r}, or tensor_parallel_size=1")
+
+    def _check_expert_parallel(self) -> None:
+        _positive_int("expert_parallel_size", self.expert_parallel_size)
+        if self.expert_parallel_size == 1:
+            return
+        ep = f"expert_parallel_size={self.expert_parallel_size}"
+        # What does not compose with expert parallelism yet, each with its reason (docs/moe.md).
+        refused = [
+            ("stage", 0, f"stage 0 all-reduces every gradient over all ranks, while under {ep} an expert's "
+                         f"gradient is reduced over the ranks that hold that expert: use stage 1, 2 or 3"),
+            ("tensor_parallel_size", 1, f"tensor and expert parallelism over the same ranks are not built: use "
+                                        f"tensor_parallel_size=1 with {ep}"),
+            ("replicate_size", 1, f"hybrid sharding's replicate rows are not built beside the expert-parallel "
+                                  f"groups: use replicate_size=1 with {ep}"),
+            ("offload_optimizer", "none", f"the offloaded step is not built for the expert shards: use "
+                                          f"offload_optimizer='none' with {ep}"),
+            ("offload_params", "none", f"the offloaded shards are not built for the expert units: use "
+                                       f"offload_params='none' with {ep}"),
+            ("compile_units", False, f"the token dispatch reads each exchange's sizes on the host inside the "
+                                     f"forward a compiled unit would trace: use compile_units=False with {ep}"),
+            ("hpz", False, f"ZeRO++'s node axes are not built over the expert-data-parallel ranks: use "
+                           f"hpz=False with {ep}"),
+            ("quantize_weights", False, f"ZeRO++'s quantized gathers are not built for the expert units: use "
+                                        f"quantize_weights=False with {ep}"),
+            ("quantize_grads", None, f"ZeRO++'s node axes are not built over the expert-data-parallel ranks: use "
+                                     f"quantize_grads=None with {ep}"),
+        ]
+        for name, allowed, reason in refused:
+            value = getattr(self, name)
+            if (value != allowed) if name != "stage" else value == allowed:
+                raise _bad(name, value, reason)
 
     def _check_zeropp(self) -> None:
         if self.quantize_grads is not None and not _is_one_of(self.quantize_grads, QUANTIZED_BITS):

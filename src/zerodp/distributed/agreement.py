@@ -37,6 +37,10 @@ def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> 
         from ..tensor_parallel.plan import plan_of
 
         described["tensor-parallel plan (module pattern, style)"] = list(plan_of(model).items())
+    if config.expert_parallel_size > 1:  # as above: ranks that split other banks would not pair their exchanges
+        from ..expert_parallel.plan import ep_plan_of
+
+        described["expert-parallel plan (name pattern, style)"] = list(ep_plan_of(model).items())
     return described
 
 

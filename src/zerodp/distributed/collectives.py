@@ -52,7 +52,7 @@ def wire_tag(record: CommRecord, with_label: bool = True) -> int:
     same on every rank; other collectives' labels are free text (a checkpoint's path, which
     ranks may spell differently), left out with `with_label=False`."""
     label = record.label if with_label else ""
-    key = f"{record.op}:{record.numel}:{record.nbytes}:{record.phase}:{record.axis}:{label}"
+    key = f"{record.op}:{record.agreed_sizes}:{record.phase}:{record.axis}:{label}"
     return zlib.crc32(key.encode()) & GLOO_TAG_MASK
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

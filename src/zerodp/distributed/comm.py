@@ -100,6 +100,22 @@ class Comm:
         if self.topology.size(axis) > 1:
             self._run(record, self.topology.group(axis), dist.broadcast, tensor, src=self._peer(axis, src))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list, input_splits: list,
+                   phase: str, axis: str = "ep", label: str = "", uneven: bool = True) -> None:
+        """Rank i's `input` rows [sum(input_splits[:j]), +input_splits[j]) to rank j, which
+        receives them at its `output` rows for i (`output_splits[i]` of them): an
+        all-to-all-v along dim 0, on `axis`. Recorded as the elements this rank sends
+        (its `input`); `uneven`: the sizes differ between ranks by design (a token
+        exchange), so the ranks' agreement on what they run compares the rest only."""
+        self._check("all_to_all", output, input)
+        record = self.ledger.record("all_to_all", input.numel(), input.numel() * input.element_size(), phase, axis,
+                                    label, uneven=uneven)
+        if self.topology.size(axis) == 1:
+            output.copy_(input)
+            return
+        self._run(record, self.topology.group(axis), dist.all_to_all_single, output, input,
+                  output_split_sizes=list(output_splits), input_split_sizes=list(input_splits))
+
     def all_gather_object(self, obj, phase: str = "control", label: str = "", axis: str = "data") -> list:
         """Every rank's small Python object (agreement, checkpoint metadata) on `axis`: the
         data-parallel ranks, or the tensor-parallel group ("tp")."""

@@ -34,6 +34,14 @@ class CommRecord:
     step: int
     axis: str = "data"
     label: str = ""  # the unit or bucket it moves, for error messages
+    # An all-to-all-v (expert parallelism's token exchange): its sizes differ between ranks
+    # by design, so the ranks' agreement on what they run leaves them out.
+    uneven: bool = False
+
+    @property
+    def agreed_sizes(self) -> str:
+        """numel:nbytes as the ranks compare them ("v" for an uneven exchange)."""
+        return "v:v" if self.uneven else f"{self.numel}:{self.nbytes}"
 
     @property
     def volume_numel(self) -> int:
@@ -55,13 +63,13 @@ class CommLedger:
     inter_node_axes: frozenset = frozenset()
 
     def record(self, op: str, numel: int, nbytes: int, phase: str, axis: str = "data",
-               label: str = "") -> CommRecord:
+               label: str = "", uneven: bool = False) -> CommRecord:
         if phase not in PHASES:
             raise ValueError(f"comm phase {phase!r} is unknown: use one of {PHASES}")
-        rec = CommRecord(op, int(numel), int(nbytes), phase, self.step, axis, label)
+        rec = CommRecord(op, int(numel), int(nbytes), phase, self.step, axis, label, uneven)
         self.current.append(rec)
         self.totals[(op, phase)] += rec.volume_numel
-        self.fingerprint = zlib.crc32(f"{op}:{rec.numel}:{rec.nbytes}:{phase}:{axis}".encode(), self.fingerprint)
+        self.fingerprint = zlib.crc32(f"{op}:{rec.agreed_sizes}:{phase}:{axis}".encode(), self.fingerprint)
         return rec
 
     def end_step(self) -> None:

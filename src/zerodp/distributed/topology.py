@@ -14,6 +14,8 @@ ZeRO++ (hpZ, qgZ) splits a shard axis that spans nodes in two more axes: ``node`
 ranks of the row on this node, and ``cross_node``, the ranks of the row with this rank's
 place on the other nodes (one per node). Shard rank r is (node r // n, place r % n) for n
 ranks per node, since torchrun numbers ranks node by node.
+
+Expert parallelism adds ``ep``: [Note: expert-parallel axes].
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from ..config import ConfigError, torchrun_ranks_per_node
 __all__ = ["AXES", "Topology"]
 
 # "data" is the whole data-parallel group: both mesh axes together.
-AXES = ("shard", "replicate", "data", "node", "cross_node", "tp")
+AXES = ("shard", "replicate", "data", "node", "cross_node", "tp", "ep")
 
 # Meshes and zerodp's own process groups already built, by what they were built from, with
 # the group they were built over: initialize may run many times in one process, and each
@@ -65,6 +67,10 @@ class Topology:
     tp_size: int = 1
     tp_rank: int = 0
     tp_group: Optional[dist.ProcessGroup] = None
+    # Expert parallelism inside the data-parallel ranks: see [Note: expert-parallel axes].
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
 
     @property
     def node_size(self) -> int:
@@ -83,6 +89,9 @@ class Topology:
             return axis == "cross_node" and self.cross_node_size > 1
         if self.tp_size > 1 or axis == "tp":  # nodes are not known over a data-parallel group that skips ranks
             return False
+        if axis == "ep":  # consecutive ranks: inside a node when ep_size divides the ranks per node
+            return node is not None and node < size and (self.rank // self.ep_size * self.ep_size) // node != (
+                (self.rank // self.ep_size + 1) * self.ep_size - 1) // node
         if node is None or node >= size:
             return False
         groups = {"shard": [range(r * shard, (r + 1) * shard) for r in range(self.replicate_size)],
@@ -120,16 +129,18 @@ class Topology:
 
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group,
-                "node": self.node_group, "cross_node": self.cross_node_group, "tp": self.tp_group}[_axis(axis)]
+                "node": self.node_group, "cross_node": self.cross_node_group, "tp": self.tp_group,
+                "ep": self.ep_group}[_axis(axis)]
 
     def size(self, axis: str) -> int:
         return {"shard": self.shard_size, "replicate": self.replicate_size, "data": self.world_size,
-                "node": self.node_size, "cross_node": self.cross_node_size, "tp": self.tp_size}[_axis(axis)]
+                "node": self.node_size, "cross_node": self.cross_node_size, "tp": self.tp_size,
+                "ep": self.ep_size}[_axis(axis)]
 
     def rank_on(self, axis: str) -> int:
         return {"shard": self.shard_rank, "replicate": self.replicate_rank, "data": self.rank,
                 "node": self.shard_rank % self.node_size,
-                "cross_node": self.shard_rank // self.node_size, "tp": self.tp_rank}[_axis(axis)]
+                "cross_node": self.shard_rank // self.node_size, "tp": self.tp_rank, "ep": self.ep_rank}[_axis(axis)]
 
     def tensor_parallel_mesh(self) -> DeviceMesh:
         """Every process as a ("tp", ["replicate",] "shard") mesh: the tensor-parallel axis
@@ -176,6 +187,34 @@ class Topology:
         cross = ranks[place::n]
         cross_group = _subgroup(self.shard_group, cross, self.timeout_s) if len(cross) > 1 else None
         return dataclasses.replace(self, node_group=node_group, cross_node_group=cross_group, node_axes=True)
+
+    def with_expert_parallel(self, ep_size: int) -> tuple["Topology", "Topology"]:
+        """[Note: expert-parallel axes]
+        Expert parallelism splits each expert bank over ``ep``, `ep_size` consecutive
+        data-parallel ranks (DeepSpeed-MoE's and torchtitan's layout: inside a node when
+        ep_size divides the ranks per node, where the all-to-all is cheapest). The ranks with
+        this rank's place in every expert-parallel group hold the same experts: the
+        expert-data-parallel ranks, N / ep_size of them, over which ZeRO shards the expert
+        parameters as it shards everything else over all N. Returns (this topology with the
+        ``ep`` axis, the expert-data-parallel topology: a one-row mesh over those ranks whose
+        shard axis is theirs). Raises ConfigError if ep_size does not divide the ranks."""
+        world = self.world_size
+        if world % ep_size:
+            raise ConfigError(f"Config.expert_parallel_size={ep_size} does not divide the {world} data-parallel "
+                              f"ranks: use a divisor of {world}")
+        if ep_size == 1:
+            return self, self
+        ranks = dist.get_process_group_ranks(self.data_group)
+        me = self.rank
+        first = me // ep_size * ep_size
+        ep_group = _subgroup(self.data_group, ranks[first: first + ep_size], self.timeout_s)
+        edp_ranks = ranks[me % ep_size::ep_size]
+        if len(edp_ranks) == 1:  # every expert on one rank of each group: nothing to shard it over
+            experts = Topology(None, self.device, 1, 0, 1, 0, None, None, None, self.backend, self.timeout_s)
+        else:
+            edp_group = _subgroup(self.data_group, edp_ranks, self.timeout_s)
+            experts = dataclasses.replace(Topology.build(edp_group, self.device), timeout_s=self.timeout_s)
+        return dataclasses.replace(self, ep_size=ep_size, ep_rank=me % ep_size, ep_group=ep_group), experts
 
     @classmethod
     def build_tensor_parallel(cls, tp_size: int, device: Optional[torch.device] = None,

@@ -65,7 +65,7 @@ class FlatUnit(StagedShard):
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, pool: BufferPool,
                  sync_from_rank0: bool = True, transfer: Optional[Collectives] = None,
                  secondary: Optional[SecondaryPartition] = None, placement: Optional[Placement] = None,
-                 frozen: tuple = (), whole: Sequence[bool] = ()):
+                 frozen: tuple = (), whole: Sequence[bool] = (), grad_divisor: Optional[int] = None):
         self.name, self.module, self.params, self.names = name or "<root>", module, params, names
         self.label = f"unit {self.name}"  # the comm ledger's
         self.storage_part = (self, None)  # [Note: gradient streaming] in optim/streaming.py
@@ -78,7 +78,9 @@ class FlatUnit(StagedShard):
         self.secondary = secondary if secondary is not None and secondary.collectives.size < comm.shard_size else None
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: this rank's node piece of the last forward's gather
         self.exact = True  # the gathered buffer holds the stored values (not a quantized transfer's)
-        self.rank, self.data_size = comm.shard_rank, comm.world_size
+        # `grad_divisor`: the data-parallel ranks the gradient is averaged over, when they are
+        # more than this unit's own (an expert bank's: ExpertShards in shard.py).
+        self.rank, self.data_size = comm.shard_rank, grad_divisor or comm.world_size
         # `whole`: parameters stepped whole ([Note: whole-parameter alignment] in memory/layout.py).
         self.layout = FlatLayout([p.shape for p in params], comm.shard_size, ONE_SEGMENT, whole)
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype

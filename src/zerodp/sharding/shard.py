@@ -4,7 +4,7 @@ optimizer steps; nothing here installs a hook or knows the optimizer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch.nn as nn
 
@@ -23,15 +23,29 @@ from .meta_init import check_same_initialisation, default_device, has_meta, mate
 from .prepare import apply_compute_dtype, replicate_from_rank0
 from .units import assign_params, encloses, select_units
 
-__all__ = ["FlatGroups", "ShardedUnits", "flatten_groups", "shard_units"]
+__all__ = ["ExpertShards", "FlatGroups", "ShardedUnits", "flatten_groups", "shard_units"]
+
+
+@dataclass(frozen=True)
+class ExpertShards:
+    """Expert parallelism's banks ([Note: expert-parallel axes] in distributed/topology.py):
+    sharded over `comm`, the expert-data-parallel ranks, in flat groups (stages 1-2) or units
+    (stage 3) of their own, their gradients averaged over all `data_size` data-parallel ranks
+    (each rank's bank gradient already holds its expert-parallel group's tokens: docs/moe.md)."""
+
+    param_ids: frozenset  # id() of every bank parameter (this rank's experts)
+    modules: tuple  # the experts modules, each a stage-3 unit
+    comm: Comm
+    data_size: int
 
 
 @dataclass(frozen=True)
 class FlatGroups:
     """Stages 0-2: one flat group per optimizer param group."""
 
-    groups: list  # FlatParamGroup per param group
+    groups: list  # FlatParamGroup per param group (with expert parallelism, its banks' another)
     backward_order: dict  # id(parameter) -> expected rank among backward's finished parameters
+    storages: list  # per param group: its flat groups
 
 
 @dataclass(frozen=True)
@@ -48,23 +62,35 @@ class ShardedUnits:
 
 
 def flatten_groups(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, stage: int,
-                   precision: PrecisionPolicy, bucket_bytes: int, whole: Sequence[bool] = ()) -> FlatGroups:
+                   precision: PrecisionPolicy, bucket_bytes: int, whole: Sequence[bool] = (),
+                   experts: Optional[ExpertShards] = None) -> FlatGroups:
     """Replicate the model from rank 0, cast what stays replicated, and lay out each param
     group's parameters in one flat buffer; those flagged in `whole` (per entry of `named`)
-    each inside one rank's chunk ([Note: whole-parameter alignment] in memory/layout.py)."""
+    each inside one rank's chunk ([Note: whole-parameter alignment] in memory/layout.py).
+    With `experts`, each group's banks go to a flat group of their own over their ranks."""
     trainable = {id(p) for _, p in named}
-    replicate_from_rank0(model, comm, skip=set())  # trainable ones too: they are flattened next
+    # Trainable ones too: they are flattened next; the banks were replicated before their split.
+    replicate_from_rank0(model, comm, skip=set(experts.param_ids) if experts is not None else set())
     apply_compute_dtype(model, precision.compute_dtype, skip=trainable, cast_buffers=precision.cast_buffers)
     # Backward finishes parameters roughly in reverse registration order; laying each group
     # out in that order lets its buckets fill one after another.
     backward_order = {id(p): len(named) - 1 - i for i, (_, p) in enumerate(named)}
-    groups = []
+    groups, storages = [], []
     for idx in group_indices:
         idx = sorted(idx, reverse=True)
-        groups.append(FlatParamGroup([named[i][1] for i in idx], [named[i][0] for i in idx], comm, stage,
-                                     precision.compute_dtype, precision.reduce_dtype, bucket_bytes,
-                                     [whole[i] for i in idx] if whole else ()))
-    return FlatGroups(groups, backward_order)
+        parts = [(comm, idx)]
+        if experts is not None:  # the banks in a flat group of their own, over their ranks
+            parts = [(comm, [i for i in idx if id(named[i][1]) not in experts.param_ids]),
+                     (experts.comm, [i for i in idx if id(named[i][1]) in experts.param_ids])]
+        mine = []
+        for over, part in parts:
+            if part or experts is None:
+                mine.append(FlatParamGroup([named[i][1] for i in part], [named[i][0] for i in part], over, stage,
+                                           precision.compute_dtype, precision.reduce_dtype, bucket_bytes,
+                                           [whole[i] for i in part] if whole else ()))
+        groups += mine
+        storages.append(mine)
+    return FlatGroups(groups, backward_order, storages)
 
 
 @dataclass(frozen=True)
@@ -76,21 +102,25 @@ class _UnitBuild:
     zeropp: ZeroPPPolicy
     placement: Placement
     whole: list  # per trainable parameter: stepped whole ([Note: whole-parameter alignment])
+    experts: Optional[ExpertShards] = None
 
 
 def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], comm: Comm, units_policy: UnitPolicy,
                 precision: PrecisionPolicy, offload: OffloadPolicy, zeropp: ZeroPPPolicy,
-                whole: Sequence[bool] = ()) -> ShardedUnits:
+                whole: Sequence[bool] = (), experts: Optional[ExpertShards] = None) -> ShardedUnits:
     """Split `model` into units and shard each unit's parameters, trainable ones (`named`)
     and frozen ones ([Note: frozen parameters] in frozen.py). A model built
     under `zerodp.init` is materialised unit by unit, each sharded as soon as it is whole.
     Their shards live where Config.offload_params says (`ShardedUnits.placement`): a
-    directory opened here is closed again if anything fails. `whole`: as for `flatten_groups`."""
+    directory opened here is closed again if anything fails. `whole`: as for `flatten_groups`.
+    With `experts`, each experts module is a unit of its own, over the banks' ranks."""
     whole = list(whole) if whole else [False] * len(named)
     # Offloaded shards leave a sharded parameter's device on the host: a model that moves its
     # ids to the embedding weight's device before calling it (Llama 4) needs it gathered there.
     units = select_units(model, units_policy.unit_modules, units_policy.unit_min_params,
                          embedding_unit=offload.params == "none")
+    if experts is not None:
+        units = _with_expert_units(model, units, experts)
     trainable = {id(p) for _, p in named}
     frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in trainable]
     everything = named + frozen  # index < len(named): trainable
@@ -104,7 +134,8 @@ def shard_units(model: nn.Module, named: list, group_indices: list[list[int]], c
                                 [[whole[i] for i in assignment[ui] if i < len(named)] for ui in to_build])
     try:
         return _shard_units(model, everything, len(named), group_indices,
-                            _UnitBuild(comm, precision, zeropp, placement, whole), units, assignment, to_build)
+                            _UnitBuild(comm, precision, zeropp, placement, whole, experts), units, assignment,
+                            to_build)
     except BaseException:
         placement.close()  # the directory can be used again at once
         raise
@@ -125,13 +156,20 @@ def _shard_units(model: nn.Module, everything: list, n_trainable: int, group_ind
     # seed (meta_init.py), so its units need no broadcast from rank 0.
     born_sharded = has_meta(model)
 
+    experts = build_with.experts
+    expert_modules = {id(m) for _, m in experts.modules} if experts is not None else set()
+
     def build(ui: int) -> None:
         idx = [i for i in assignment[ui] if i < n_trainable]
         frozen = tuple((names[i], current[i]) for i in assignment[ui] if i >= n_trainable)
+        bank = id(units[ui][1]) in expert_modules  # gathered and reduced over the banks' ranks
         built[ui] = FlatUnit(units[ui][0], units[ui][1], [current[i] for i in idx], [names[i] for i in idx],
-                             comm, precision.compute_dtype, precision.reduce_dtype, pool,
-                             sync_from_rank0=not born_sharded, transfer=transfer, secondary=secondary,
-                             placement=placement, frozen=frozen, whole=[build_with.whole[i] for i in idx])
+                             experts.comm if bank else comm, precision.compute_dtype, precision.reduce_dtype, pool,
+                             sync_from_rank0=not born_sharded,
+                             transfer=experts.comm.collectives("shard") if bank else transfer,
+                             secondary=None if bank else secondary, placement=placement, frozen=frozen,
+                             whole=[build_with.whole[i] for i in idx],
+                             grad_divisor=experts.data_size if bank else None)
         if built[ui].device.type == "cpu":  # the unit's full copies were just freed: [Note: long-lived host buffers]
             hostmem.release_free_heap()
 
@@ -172,6 +210,16 @@ def _shard_units(model: nn.Module, everything: list, n_trainable: int, group_ind
         group_views.append(views)
     return ShardedUnits(flat_units, group_views, [(n, current[i]) for i, n in enumerate(names[:n_trainable])], pool,
                         secondary_pool, placement)
+
+
+def _with_expert_units(model: nn.Module, units: list, experts: ExpertShards) -> list:
+    """`units` with each experts module a unit of its own, in the model's module order,
+    the root last."""
+    chosen = {id(m) for _, m in units}
+    extra = {id(m): (n, m) for n, m in experts.modules if id(m) not in chosen}
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    inner = sorted([u for u in units[:-1]] + list(extra.values()), key=lambda u: order[id(u[1])])
+    return inner + [units[-1]]
 
 
 def shard_placement(offload: OffloadPolicy, precision: PrecisionPolicy, comm: Comm, unit_params: list,

@@ -1,0 +1,146 @@
+"""Cases for test_moe.py: Hugging Face MoE models (Mixtral, Qwen3-MoE) from tiny configs,
+trained with expert parallelism beside ZeRO, against one process training the unsplit model
+on the global batch (every rank's batch, the loss averaged over the N ranks as DDP's is).
+
+Each rank runs the reference itself (the model is tiny), so it compares its own view: the
+parameters the plan does not split whole, its expert banks against its experts' rows of
+the reference's banks ([Note: expert split] in zerodp/expert_parallel/plan.py)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import zerodp
+
+STEPS = 3
+VOCAB, SEQ, ROWS = 64, 8, 2
+EXPERTS, TOP_K = 4, 2
+SGD = {"lr": 0.05, "momentum": 0.9}
+ADAMW = {"lr": 1e-2}
+AUX = 0.02  # the load-balancing loss's weight: part of every loss below
+
+
+def mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=EXPERTS,
+                        num_experts_per_tok=TOP_K, max_position_embeddings=32, output_router_logits=True,
+                        router_aux_loss_coef=AUX, tie_word_embeddings=False)
+    return MixtralForCausalLM(cfg)
+
+
+def qwen3_moe() -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
+                         max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=AUX,
+                         tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe}
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+
+
+def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None  # the load-balancing loss is in `loss`
+    return out.loss
+
+
+def optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, **SGD)
+    return torch.optim.AdamW(params, **ADAMW)
+
+
+def train_reference(name: str, opt_name: str, world_size: int, steps: int = STEPS) -> tuple[nn.Module, list]:
+    """One process, the unsplit model, every rank's batch: DDP's objective, the mean of the
+    N ranks' losses."""
+    ref = build(name)
+    opt = optimizer(opt_name, ref.parameters())
+    losses = []
+    for step in range(steps):
+        loss = sum(loss_of(ref, batch(step, r)) for r in range(world_size)) / world_size
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return ref, losses
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max()) if a.numel() else 0.0
+
+
+def own_view(model: nn.Module, ref: nn.Module, ep_size: int, ep_rank: int, banks: set) -> dict:
+    """Largest per-element error of each of this rank's parameters against the reference's
+    (its experts' rows for a bank)."""
+    want = dict(ref.named_parameters())
+    out = {}
+    for n, p in model.named_parameters():
+        w = want[n].detach()
+        if n in banks:
+            w = w.chunk(ep_size, dim=0)[ep_rank]
+        assert p.shape == w.shape, (n, tuple(p.shape), tuple(w.shape))
+        out[n] = rel(p.detach(), w)
+    return out
+
+
+def parity_case(rank, world_size, name, stage, opt_name, ep_size, micro_batches=1):
+    """Train `name` at `stage` with expert_parallel_size=`ep_size` for STEPS steps; per step
+    the mean loss over the ranks, at the end every parameter, against the reference; and
+    the all-to-alls the ledger counted."""
+    ref, ref_losses = train_reference(name, opt_name, world_size)
+    model = build(name)
+    initial_banks = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+    cfg = zerodp.Config(stage=stage, expert_parallel_size=ep_size, grad_accumulation_steps=micro_batches)
+    model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
+    ep = model.zerodp_expert_parallel
+    banks = set(ep.splits)
+    comm = opt.comm
+    losses, a2a = [], []
+    for step in range(STEPS):
+        ids = batch(step, rank)
+        total = torch.zeros(())
+        for m in range(micro_batches):
+            part = ids.chunk(micro_batches)[m]
+            loss = loss_of(model, part) / micro_batches
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        records = comm.ledger.last_step
+        a2a.append([(r.op, r.phase, r.axis, r.label, r.numel) for r in records if r.op == "all_to_all"])
+        losses.append(float(comm.sum_scalar(total)) / world_size)
+    ep_rank = comm.topology.ep_rank
+    with zerodp.gathered_parameters(model):
+        errors = own_view(model, ref, ep_size, ep_rank, banks)
+        # What training moved the banks by, against the reference's: a gradient scaled wrong
+        # (reduced over the wrong ranks) is off by O(1) here, however small the steps.
+        want = {n: p.detach().chunk(ep_size, dim=0)[ep_rank] for n, p in ref.named_parameters() if n in banks}
+        got = {n: p.detach().clone() for n, p in model.named_parameters() if n in banks}
+    init = {n: initial_banks[n].chunk(ep_size, dim=0)[ep_rank] for n in banks}
+    num = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in banks)
+    den = sum(float((want[n] - init[n]).double().pow(2).sum()) for n in banks)
+    return {"losses": losses, "ref_losses": ref_losses, "errors": errors, "a2a": a2a, "banks": sorted(banks),
+            "bank_update_rel": (num / den) ** 0.5,
+            "ep_rank": comm.topology.ep_rank, "rank": comm.rank,
+            "bank_shapes": {n: tuple(initial_banks[n].shape) for n in banks},
+            "units": [u.name for u in opt.stage3.units] if opt.stage3 is not None else None}
