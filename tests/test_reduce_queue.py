@@ -45,6 +45,7 @@ def schedule(log, replicate_size=1, at_boundary=True, reduces_now=True):
                            all_reduce=lambda t, phase, axis, label: log.append(("all_reduce", t, phase, axis, label)))
     return SimpleNamespace(comm=comm, reduces_now=reduces_now, at_boundary=at_boundary,
                            on_final_grads=lambda *part: log.append(("final", *part)),
+                           meet_before_training=lambda doing: log.append(("met", doing)),
                            adopt_recorded_order=lambda order: [2, 0, 1])
 
 
@@ -58,6 +59,7 @@ def test_launches_in_order_up_to_the_first_not_ready_and_flush_launches_the_rest
     items[2].ready_to_reduce = True
     queue.launch_ready()
     assert [e[1] for e in log if e[0] == "launch"] == ["b2", "b0"]
+    assert log[0] == ("met", "the backward")  # the sync point before its first collective ([Note: sync points])
     queue.flush()
     assert [e[1] for e in log if e[0] == "launch"] == ["b2", "b0", "b1"]
     assert [e[1] for e in log if e[0] == "finish"] == ["b2", "b0", "b1"]
@@ -124,4 +126,5 @@ def test_accumulation_is_read_at_launch_and_passed_through():
     item.ready_to_reduce, item.accumulates = True, True
     queue = ReduceQueue(schedule(log, at_boundary=False), [item], [0], async_op=False)
     queue.launch_ready()
-    assert log == [("launch", "bucket 0", True, False), ("finish", "bucket 0", True)]  # no announcement
+    assert log == [("met", "the backward"), ("launch", "bucket 0", True, False),
+                   ("finish", "bucket 0", True)]  # no announcement

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .collectives import Collectives, check_device, default_collectives, guarded
 from .failure import CollectiveError, FailureReport
 from .ledger import CommLedger, CommRecord
+from .sync_points import SyncPoints, leave_all
 from .topology import AXES, Topology, forget_meshes
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class Comm:
         self.ledger.inter_node_axes = frozenset(a for a in AXES
                                                 if self.topology.crosses_nodes(a))
         self.failures = FailureReport(self.rank, self.world_size, self.topology.name, self.topology.timeout_s)
+        # Calls made on some ranks only are refused on all of them: [Note: sync points] in sync_points.py.
+        self.sync_points = SyncPoints.of(self)
         self._strategies: dict = {}
 
     def side_channel(self, timeout_s: float) -> "Comm":
@@ -145,6 +148,7 @@ class Comm:
     def agree_on_step(self, nonfinite: Optional[torch.Tensor] = None) -> bool:
         """Check the step fingerprint on every rank; returns whether any rank's `nonfinite`
         flag (a 0/1 tensor) is set. Raises `CollectiveError` if the ranks' collectives differ."""
+        self.sync_points.before_training(f"optimizer.step() of step {self.ledger.step}")
         crc = float(self.ledger.fingerprint)
         t = torch.tensor([0.0, crc, -crc], dtype=torch.float64, device=self.device)
         if nonfinite is not None:
@@ -248,6 +252,7 @@ def shutdown_distributed(wait: Optional[bool] = None) -> None:
     if dist.is_available() and dist.is_initialized():
         if wait is None:
             wait = sys.exc_info()[0] is None
+        leave_all(raise_on_mismatch=wait)  # a rank waiting in a call this one skipped raises now: [Note: sync points]
         if wait:
             for finish in list(_BEFORE_SHUTDOWN):  # e.g. an asynchronous checkpoint's commit
                 finish()

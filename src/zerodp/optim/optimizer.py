@@ -24,6 +24,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ..config import Config
 from ..distributed import Comm
+from ..distributed.sync_points import OPTIMIZER_LOAD_STATE_DICT, OPTIMIZER_STATE_DICT
 from ..memory import hostmem
 from ..memory.ledger import MemoryReport
 from ..sharding.model_state import LoadedValues
@@ -320,12 +321,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's optimizer state dict with every per-element state a DTensor of its
         parameter's shape (this rank's rows), which torch.distributed.checkpoint saves and
-        reshards: optim/state_dict.py. Collective: every rank calls it."""
+        reshards: optim/state_dict.py. Collective at stages 1-3 (every rank calls it; one
+        that does not is named on every rank: [Note: sync points]); local at stage 0, as DDP's."""
+        if self.rows.sharded or any(s.parts > 1 for s in self.rows.splits.values()):
+            self.comm.sync_points.call(OPTIMIZER_STATE_DICT, f"at stage {self.config.stage} (it gathers each "
+                                                             f"state's rows from the rank that owns them)")
         self.stepper.settle()
         return sharded_state_dict(self, self.rows)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a `state_dict()` (from any world size and stage) or its full form."""
+        """Restore a `state_dict()` (from any world size and stage) or its full form.
+        Collective: every rank calls it ([Note: sync points])."""
+        self.comm.sync_points.call(OPTIMIZER_LOAD_STATE_DICT, f"at stage {self.config.stage} (the ranks check the "
+                                                              f"state dict together, and each keeps its rows)")
         self.stepper.settle()
         load_sharded_state_dict(self, state_dict, self.rows)
 

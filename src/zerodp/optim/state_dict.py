@@ -121,7 +121,7 @@ def _agreed_states(opt) -> list[_GroupStates]:
     they hold (one small exchange), so every rank runs the same collectives and writes the
     same entries."""
     local = [_local_states(opt, group) for group in opt.stepper.shards]
-    if opt.comm.world_size == 1:
+    if opt.comm.world_size == 1 or not opt.rows.sharded:  # every rank holds every state (stage 0): local
         return local
     pooled = opt.comm.all_gather_object([(g.dtypes, g.params) for g in local], "checkpoint",
                                         label="optimizer state names")

@@ -173,6 +173,7 @@ class ReduceQueue:
             item = self.items[self.order[self._next]]
             if not (flush or item.ready_to_reduce):
                 return
+            self.schedule.meet_before_training("the backward")
             self._launch(item)
             self._next += 1
 
@@ -240,6 +241,7 @@ class BackwardSchedule:
         # DDP's `require_backward_grad_sync` as the last training forward read it ([Note:
         # DDP's accumulation flag]).
         self.sync_requested = True
+        self.window_met = False  # this window's first collective had its sync point (`meet_before_training`)
 
     @property
     def at_boundary(self) -> bool:
@@ -426,14 +428,24 @@ class BackwardSchedule:
         recorded, self._recorded = self._recorded, None
         return self.agreed_order(recorded, order)
 
+    def meet_before_training(self, doing: str) -> None:
+        """Right before the first collective of an accumulation window (a stage-3 training
+        forward's first gather, else the first reduction), once: the ranks check that none
+        waits in a call the others skipped ([Note: sync points] in distributed/sync_points.py)."""
+        if not self.window_met:
+            self.window_met = True
+            self.comm.sync_points.before_training(f"{doing} of step {self.comm.ledger.step}")
+
     def after_step(self) -> None:
         self.micro_step = 0
         self.grads_ready = False
         self._window_open = False
+        self.window_met = False
 
     def reset(self) -> None:
         """Start over from no backward ([Note: failed backward]); subclasses release their buffers."""
         self._backward_open, self._end_task, self._window_open = False, None, False
+        self.window_met = False
         self._drop_handover()
         self._fired.clear()
         self.micro_step = 0

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..policies import BackwardPolicy, UnitPolicy
 from ..distributed import Comm
+from ..distributed.sync_points import EVAL_FORWARD
 from ..memory import hostmem
 from ..memory.pool import BufferPool
 from ..sharding.flat_unit import FlatUnit, TrainingState, UnitState
@@ -91,6 +92,7 @@ class Stage3Engine(BackwardSchedule):
         self._saved_hooks = None  # saved-tensor hooks, active while the model runs forward
         self._hooks_owner: Optional[int] = None  # the unit whose forward entered them
         self._forward_trains = False  # the model's current forward runs with gradients
+        self._eval_met = False  # this forward under no_grad had its sync point ([Note: sync points])
         self.root = len(units) - 1
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
@@ -219,12 +221,19 @@ class Stage3Engine(BackwardSchedule):
                 # but is recomputed in backward: hpZ keeps its node piece whenever the model's
                 # forward trains.
                 self._forward_trains = torch.is_grad_enabled()
+                self._eval_met = False
             if not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
                 # The outermost unit that runs: the root, or the first unit a loop calls itself
                 # (`model[1](model[0](x))`), whose saved tensors need the packing as much.
                 self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(eager_hook(self._pack), eager_hook(self._unpack))
                 self._saved_hooks.__enter__()
                 self._hooks_owner, self._forward_trains = ui, True
+            if not in_backward and torch.is_grad_enabled() and ui == self.root:  # [Note: sync points]
+                self.meet_before_training("the forward")
+            elif not (in_backward or torch.is_grad_enabled() or self._forward_trains or self._eval_met) and \
+                    unit.state is UnitState.SHARDED and (not unit.empty or unit.frozen):  # an evaluation must gather
+                self._eval_met = True
+                self.comm.sync_points.call(EVAL_FORWARD, "at stage 3 (each unit is all-gathered from every rank)")
             phase = "backward" if in_backward else "forward"
             self._gather(ui, phase, async_op=False)
             unit.wait()

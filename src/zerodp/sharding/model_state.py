@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed.agreement import raise_if_any_failed
+from ..distributed.sync_points import MODEL_LOAD_STATE_DICT, MODEL_STATE_DICT
 from .flat_unit import FlatUnit, UnitState
 from .rows import RowSharding, gather_runs
 
@@ -167,6 +168,14 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
     ours = {id(p) for u in units for p in u.all_params()}
     saving, loading = _Outermost(), _Outermost()
 
+    def gathers(module) -> bool:
+        """Whether the module's state dict runs a collective: a unit of its subtree not held
+        whole (its rows are gathered), or a packed projection under tensor parallelism."""
+        mine = {id(p) for p in module.parameters()}
+        return any(id(p) in mine and ((rows.sharded and (unit.state is UnitState.SHARDED or not unit.exact)) or
+                                      (n in rows.splits and rows.splits[n].parts > 1))
+                   for unit in units for u in unit.parts() for p, n in zip(u.params, u.names))
+
     def present(u, state_dict, prefix, aliases) -> dict[int, list[str]]:
         """Slot -> the keys of the state dict that name that parameter of the unit's part
         `u` (the same keys on every rank: a unit outside the subtree is skipped by all)."""
@@ -182,6 +191,8 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             return
         saving.keep_vars = keep_vars
         if not keep_vars and model not in _SERVED:  # the collective form, called by every rank
+            if gathers(module):  # [Note: sync points] in distributed/sync_points.py
+                rows.comm.sync_points.call(MODEL_STATE_DICT, "at stage 3 (each unit's parameters are gathered)")
             settle()
 
     def state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -247,6 +258,8 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             return
         aliases, todo, problem = _aliases(module, ours), [], None
         try:
+            rows.comm.sync_points.call(MODEL_LOAD_STATE_DICT, "at stage 3 (the ranks check the state dict together, "
+                                                             "and each keeps its shard)")
             settle()
             try:
                 _refuse_assign(local_metadata)
@@ -314,11 +327,15 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
     (`RowSharding.wrap_slice`) and a load takes any form of the original, keeping the slice."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # the optimizer's names
     split = {id(p): n for n, p in model.named_parameters() if n in rows.splits}
+    joined = {i for i, n in split.items() if rows.splits[n].parts > 1}  # held whole: gathered by the state dict
     loading, saving = _Outermost(), _Outermost()
 
     def state_dict_pre_hook(module, prefix, keep_vars):
         if split and saving.enter(module, prefix):
             saving.keep_vars = keep_vars
+            if not keep_vars and model not in _SERVED and any(id(p) in joined for p in module.parameters()):
+                rows.comm.sync_points.call(MODEL_STATE_DICT, "under tensor parallelism (packed projections are "
+                                                             "gathered whole)")  # [Note: sync points]
         if not keep_vars:
             settle()
 
