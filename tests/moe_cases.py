@@ -112,7 +112,7 @@ def parity_case(rank, world_size, name, stage, opt_name, ep_size, micro_batches=
     initial_banks = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
     cfg = zerodp.Config(stage=stage, expert_parallel_size=ep_size, grad_accumulation_steps=micro_batches)
     model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
-    ep = model.zerodp_expert_parallel
+    ep = opt.expert_parallel
     banks = set(ep.splits)
     comm = opt.comm
     losses, a2a = [], []
@@ -144,3 +144,60 @@ def parity_case(rank, world_size, name, stage, opt_name, ep_size, micro_batches=
             "ep_rank": comm.topology.ep_rank, "rank": comm.rank,
             "bank_shapes": {n: tuple(initial_banks[n].shape) for n in banks},
             "units": [u.name for u in opt.stage3.units] if opt.stage3 is not None else None}
+
+
+# -- checkpoints across expert-parallel layouts ---------------------------------------------
+SAVED_STEPS, SAVER_WORLD = 2, 4
+
+
+def _train_steps(model, opt, world_size: int, rank: int, steps: range) -> list:
+    """Steps of SAVER_WORLD's global batch at any world size: each rank runs its share of the
+    saver's ranks' batches as micro-batches (each one's loss over their count), so the
+    gradient is the saver's mean over its ranks whatever the layout (the load-balancing loss
+    is computed per batch, as each saver rank computed it)."""
+    per = SAVER_WORLD // world_size
+    losses = []
+    for step in steps:
+        total = torch.zeros(())
+        for m in range(per):
+            loss = loss_of(model, batch(step, rank * per + m)) / per
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(opt.comm.sum_scalar(total)) / world_size if world_size > 1 else float(total))
+    return losses
+
+
+def save_case(rank, world_size, name, stage, ep_size, path):
+    """Train SAVED_STEPS steps at this layout, save, then one step more: its loss is what any
+    layout that loads the checkpoint must reach."""
+    model = build(name)
+    cfg = zerodp.Config(stage=stage, expert_parallel_size=ep_size)
+    model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps), cfg)
+    _train_steps(model, opt, world_size, rank, range(SAVED_STEPS))
+    zerodp.save(path, model, opt)
+    return {"next_loss": _train_steps(model, opt, world_size, rank, range(SAVED_STEPS, SAVED_STEPS + 1))[0]}
+
+
+def load_case(rank, world_size, name, stage, ep_size, path):
+    """Load at this layout (grad_accumulation_steps: the saver's batches as micro-batches);
+    this rank's view of every parameter against the reference trained SAVED_STEPS steps,
+    and the next step's loss."""
+    model = build(name)
+    per = SAVER_WORLD // world_size
+    cfg = zerodp.Config(stage=stage, expert_parallel_size=ep_size, grad_accumulation_steps=per)
+    model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps), cfg)
+    zerodp.load(path, model, opt)
+    ref, _ = train_reference(name, "sgd", SAVER_WORLD, steps=SAVED_STEPS)
+    banks = set(opt.expert_parallel.splits) if opt.expert_parallel is not None else set()
+    with zerodp.gathered_parameters(model):
+        errors = own_view(model, ref, ep_size, opt.comm.topology.ep_rank, banks)
+    next_loss = _train_steps(model, opt, world_size, rank, range(SAVED_STEPS, SAVED_STEPS + 1))[0]
+    out = {"errors": errors, "next_loss": next_loss}
+    if rank == 0:  # the checkpoint in one process, no process group: the model's own names and shapes
+        full = zerodp.consolidate(path)
+        want = dict(ref.named_parameters())
+        out["consolidated"] = {n: rel(full[n], want[n].detach()) for n in want}
+        out["consolidated_shapes"] = all(tuple(full[n].shape) == tuple(want[n].shape) for n in want)
+    return out

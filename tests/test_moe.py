@@ -60,3 +60,23 @@ GRID = [(name, stage, opt) for name in cases.MODELS for stage in (1, 2, 3) for o
 @pytest.mark.parametrize("name,stage,opt", GRID)
 def test_two_ranks_two_expert_groups(pool, name, stage, opt):
     check(pool.run(2, cases.parity_case, name, stage, opt, 2, timeout_s=TIMEOUT_S), opt, 2)
+
+
+def test_checkpoint_across_expert_parallel_layouts(pool, tmp_path):
+    """Saved at N=4, EP=2 (stage 3); loaded at N=2, EP=2 (stage 1) and in one process without
+    expert parallelism (stage 1), and consolidated there: every layout holds the reference's
+    parameters, the banks by their global coordinates, and reaches the saver's next loss (the
+    optimizer's momentum restored)."""
+    path = str(tmp_path / "ckpt")
+    saved = pool.run(4, cases.save_case, "mixtral", 3, 2, path, timeout_s=TIMEOUT_S)
+    loads = [(2, pool.run(2, cases.load_case, "mixtral", 1, 2, path, timeout_s=TIMEOUT_S)),
+             (1, [cases.load_case(0, 1, "mixtral", 1, 1, path)])]
+    for world, results in loads:
+        for r in results:
+            worst = max(r["errors"], key=r["errors"].get)
+            assert r["errors"][worst] <= SGD_TOL, (world, worst, r["errors"][worst])
+            assert abs(r["next_loss"] - saved[0]["next_loss"]) / (1 + abs(saved[0]["next_loss"])) <= SGD_TOL, \
+                (world, r["next_loss"], saved[0]["next_loss"])
+    one = loads[1][1][0]
+    assert one["consolidated_shapes"]
+    assert max(one["consolidated"].values()) <= SGD_TOL

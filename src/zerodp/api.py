@@ -203,12 +203,11 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                                                              config.collective_timeout_s, config.replicate_size),
                     ledger=comm.ledger)
     tensor_parallel = parallelize(model, comm, config.tensor_parallel)
-    experts = None
+    experts, expert_parallel = None, None
     if config.expert_parallel_size > 1:  # [Note: expert-parallel axes]; docs/moe.md
         comm, expert_parallel = _split_experts(model, comm, config.expert_parallel_size)
         experts = ExpertShards(expert_parallel.param_ids, tuple(expert_parallel.modules.items()),
                                expert_parallel.expert_comm, comm.world_size)
-        model.zerodp_expert_parallel = expert_parallel
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,
@@ -251,6 +250,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         if config.stage == 3:
             drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
+    opt.expert_parallel = expert_parallel  # which parameters are banks, and how split: checkpoint/tp_pieces.py
     install_ddp_accumulation(model, opt.grad_sync)
     if carried is not None:  # the state the script's own optimizer held, now in the shards
         opt.load_state_dict(carried)

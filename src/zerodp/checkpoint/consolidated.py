@@ -31,7 +31,7 @@ from .format import (
     write_replicated,
 )
 from .reader import Reader, flat_range, name_mismatch, open_checkpoint
-from .tp_pieces import local_runs, ranks_of, splits_of
+from .tp_pieces import local_runs, ranks_of, split_rank, splits_of
 
 __all__ = ["consolidate", "export", "load_pretrained"]
 
@@ -121,7 +121,8 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
             where = _pretrained_keys(view, source.shapes, optimizer.owned_slices(), strict, source.label, splits)
             def read(s) -> torch.Tensor:  # the slice's elements, from the original's coordinates
                 key = where[s.name]
-                runs = local_runs(source.shapes[key], splits.get(s.name), tp_rank, s.start, s.numel)
+                runs = local_runs(source.shapes[key], splits.get(s.name), split_rank(optimizer, s.name), s.start,
+                                  s.numel)
                 return torch.cat([source.flat_range(key, g, n) for g, _, n in runs])
             masters = [(s, read(s).to(torch.float32)) for s in optimizer.owned_slices() if s.numel]
             replicated = {k: source.tensor(k) for k in view.replicated}

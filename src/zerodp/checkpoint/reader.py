@@ -173,7 +173,9 @@ class Reader(contextlib.ExitStack):
         if record is None:
             return
         wrote = record["splits"].get(name)
-        if record["rank"] != tp_rank or wrote != info.get("split"):
+        expert = (info.get("split") or {}).get("axis") == "ep"  # a bank: the piece's rank is an expert-parallel one
+        held = record.get("expert_parallel", {}).get("rank") if expert else record["rank"]
+        if held != tp_rank or wrote != info.get("split"):
             section = "frozen" if kind == "frozen" else "params"
             raise InvalidCheckpoint(
                 f"checkpoint {self.path}: {METADATA} has {section}[{name!r}] split {info.get('split')} with a piece "

@@ -47,7 +47,7 @@ from .format import (
 )
 from .retention import OWNER, owner_record, prune, remove_stale
 from .rng import rng_state
-from .tp_pieces import ranks_of, split_info, splits_of
+from .tp_pieces import ranks_of, split_info, split_rank, splits_of
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,12 @@ def _slices_to_write(model, optimizer) -> tuple[list, list]:
         return [], []
     splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
     sharded = optimizer.stage3 is not None
+    # A frozen expert bank at stages 0-2 is whole on the ranks that hold its experts: the
+    # first expert-parallel group's ranks write theirs.
+    banks = getattr(getattr(optimizer, "expert_parallel", None), "splits", {})
     frozen = [s for s in frozen_runs(model, optimizer) if s.numel > 0 and (tp_rank == 0 or s.name in splits)
-              and (sharded or optimizer.comm.rank == 0)]
+              and (sharded or optimizer.comm.rank == 0 or (s.name in banks
+                                                           and optimizer.comm.rank < optimizer.comm.topology.ep_size))]
     if optimizer.config.stage == 0 and optimizer.comm.rank != 0:
         return [], frozen
     return [s for s in optimizer.owned_slices() if s.numel > 0 and (tp_rank == 0 or s.name in splits)], frozen
@@ -149,8 +153,8 @@ def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict, asy
         slices, frozen = _slices_to_write(model, optimizer)
         splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}", "arguments": arguments,
-                 "pieces": [_piece(s, splits, tp_rank, s.group, s.states) for s in slices],
-                 "frozen": [_piece(s, splits, tp_rank, dtype_name(s.dtype)) for s in frozen],
+                 "pieces": [_piece(s, splits, split_rank(optimizer, s.name), s.group, s.states) for s in slices],
+                 "frozen": [_piece(s, splits, split_rank(optimizer, s.name), dtype_name(s.dtype)) for s in frozen],
                  "state_keys": sorted({k for s in slices for k in s.states}),
                  "scalars": optimizer.scalar_states()}
         if rank == 0:  # the directory gets its name only with its writer named: [Note: stale leftovers]
@@ -324,10 +328,11 @@ def rank_record(optimizer, slices: list, frozen: list) -> Optional[dict]:
     can check metadata.json's splits and pieces against what each rank wrote
     ([Note: tensor-parallel pieces] in tp_pieces.py)."""
     topology = optimizer.comm.topology
-    if topology.tp_size == 1:
+    if topology.tp_size == 1 and topology.ep_size == 1:
         return None
     splits = splits_of(optimizer)
-    return {"rank": topology.tp_rank, "size": topology.tp_size,
+    ep = {"expert_parallel": {"rank": topology.ep_rank, "size": topology.ep_size}} if topology.ep_size > 1 else {}
+    return {"rank": topology.tp_rank, "size": topology.tp_size, **ep,
             "splits": {s.name: split_info(splits[s.name]) for s in [*slices, *frozen] if s.name in splits}}
 
 
@@ -377,4 +382,5 @@ def _metadata(model, optimizer, view: ModelView, plan: Plan, extra: dict) -> dic
         "state_dict_keys": view.keys,
         # Only under tensor parallelism, so a checkpoint without stays what it always was.
         **({"tensor_parallel_size": optimizer.comm.topology.tp_size} if optimizer.comm.topology.tp_size > 1 else {}),
+        **({"expert_parallel_size": optimizer.comm.topology.ep_size} if optimizer.comm.topology.ep_size > 1 else {}),
     }

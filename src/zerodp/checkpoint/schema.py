@@ -100,7 +100,12 @@ def _check_pieces(path: str, name: str, info: dict, meta: dict, files: dict, hel
         raise _bad(path, METADATA, f"{field}.pieces", pieces, "not a list")
     size = _check_split(path, field, info)
     tp_size = meta.get("tensor_parallel_size", 1)
-    if "split" in info and size != tp_size:
+    if "split" in info and info["split"].get("axis") == "ep":  # an expert bank: [Note: tensor-parallel pieces]
+        tp_size = meta.get("expert_parallel_size", 1)
+        if size != tp_size:
+            raise _bad(path, METADATA, f"{field}.split", info["split"],
+                       f"not a split into the checkpoint's expert_parallel_size {tp_size}")
+    elif "split" in info and size != tp_size:
         raise _bad(path, METADATA, f"{field}.split", info["split"],
                    f"not a split into the checkpoint's tensor_parallel_size {tp_size}")
     slice_numel = numel // size
@@ -138,8 +143,9 @@ def _check_split(path: str, field: str, info: dict) -> int:
     if split is None:
         return 1
     shape = info["shape"]
-    if not (isinstance(split, dict) and set(split) == {"dim", "parts", "size"}
-            and all(_is_int(v) and v >= 1 for k, v in split.items() if k != "dim")
+    if not (isinstance(split, dict) and set(split) - {"axis"} == {"dim", "parts", "size"}
+            and split.get("axis", "tp") in ("tp", "ep")
+            and all(_is_int(v) and v >= 1 for k, v in split.items() if k not in ("dim", "axis"))
             and _is_int(split["dim"]) and 0 <= split["dim"] < len(shape)
             and shape[split["dim"]] % (split["parts"] * split["size"]) == 0):
         raise _bad(path, METADATA, f"{field}.split", split, f"not a tensor-parallel split of shape {shape}")
@@ -160,6 +166,10 @@ def _check_params(path: str, meta: dict, files: dict) -> None:
     tp_size = meta.setdefault("tensor_parallel_size", 1)  # recorded only under tensor parallelism
     if not _is_int(tp_size) or tp_size < 1 or meta["world_size"] % tp_size:
         raise _bad(path, METADATA, "tensor_parallel_size", tp_size,
+                   f"not an integer >= 1 dividing world_size {meta['world_size']}")
+    ep_size = meta.get("expert_parallel_size", 1)  # recorded only under expert parallelism
+    if not _is_int(ep_size) or ep_size < 1 or meta["world_size"] % ep_size:
+        raise _bad(path, METADATA, "expert_parallel_size", ep_size,
                    f"not an integer >= 1 dividing world_size {meta['world_size']}")
     held: dict = {}
     for name, info in params.items():

@@ -40,7 +40,7 @@ from .reader import Reader, flat_range, name_mismatch, open_checkpoint, read_ran
 from .retention import by_completion
 from .rng import set_rng_state
 from .schema import check_hyperparameters, saved_states
-from .tp_pieces import local_runs, ranks_of, splits_of
+from .tp_pieces import local_runs, ranks_of, split_rank, splits_of
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
             continue
         info = meta["params"][s.name]
         # By the original parameter's coordinates: [Note: tensor-parallel pieces].
-        want = local_runs(info["shape"], splits.get(s.name), tp_rank, s.start, s.numel)
+        want = local_runs(info["shape"], splits.get(s.name), split_rank(optimizer, s.name), s.start, s.numel)
         masters.append((s, reader.read_runs("master", s.name, info, want, s.numel, torch.float32)))
         for key in saved_states(meta, s.name):
             states.append((s, key, reader.read_runs(f"state/{key}", s.name, info, want, s.numel, torch.float32)))
@@ -190,7 +190,8 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
         replicated[k] = reader.file(REPLICATED).get_tensor(k)
     frozen = []
     for s in frozen_runs(model, optimizer):
-        want = local_runs(view.frozen[s.name], splits.get(s.name), tp_rank, s.start, s.numel)
+        want = local_runs(view.frozen[s.name], splits.get(s.name), split_rank(optimizer, s.name), s.start,
+                          s.numel)
         if s.name in meta["frozen"]:
             info = meta["frozen"][s.name]
             frozen.append((s, reader.read_runs("frozen", s.name, info, want, s.numel, getattr(torch, info["dtype"]))))

@@ -34,6 +34,13 @@ one-process model has. What changes:
 
 Checkpoints written without tensor parallelism have no "split", 3-element pieces and no
 record in rank{r}.json: read as before, and into a tensor-parallel model too.
+
+Expert parallelism's banks are pieces of this form too ([Note: expert split] in
+expert_parallel/plan.py): a bank is split on dim 0 over the ``ep`` axis, its split recorded
+with `"axis": "ep"` and its pieces' fourth entry the expert-parallel rank whose experts the
+piece is of (data rank r holds expert-parallel rank r % ep_size's); rank{r}.json records
+the rank's expert-parallel rank beside. So a run saved at N=4, EP=2 loads at N=2, EP=2 and
+into one process without expert parallelism, by the banks' global coordinates.
 """
 from __future__ import annotations
 
@@ -42,7 +49,14 @@ from typing import Mapping, Optional
 
 from ..tensor_parallel.split import TensorSplit
 
-__all__ = ["Ranks", "local_runs", "piece_runs", "ranks_of", "saved_split", "split_info", "splits_of"]
+__all__ = ["ExpertSplit", "Ranks", "local_runs", "piece_runs", "ranks_of", "saved_split", "split_info",
+           "split_rank", "splits_of"]
+
+
+@dataclass(frozen=True)
+class ExpertSplit(TensorSplit):
+    """An expert bank's split over the ``ep`` axis: the same map as a tensor-parallel split
+    of dim 0, recorded with its axis."""
 
 
 @dataclass(frozen=True)
@@ -70,13 +84,29 @@ def ranks_of(optimizer) -> Ranks:
 
 
 def splits_of(optimizer) -> Mapping[str, TensorSplit]:
-    """How the model's tensor parallelism cut each parameter it split, by name ({} without)."""
+    """How the model's tensor parallelism and expert parallelism cut each parameter they
+    split, by name ({} without)."""
     tp = getattr(optimizer, "tensor_parallel", None)
-    return tp.splits if tp is not None else {}
+    ep = getattr(optimizer, "expert_parallel", None)
+    if ep is None:
+        return tp.splits if tp is not None else {}
+    return {**(tp.splits if tp is not None else {}), **{n: ExpertSplit(s.dim, s.parts, s.size)
+                                                        for n, s in ep.splits.items()}}
+
+
+def split_rank(optimizer, name: str) -> int:
+    """The rank along its split's axis whose slice this rank holds of parameter `name`:
+    its expert-parallel rank for a bank, else its tensor-parallel rank."""
+    ep = getattr(optimizer, "expert_parallel", None)
+    topology = optimizer.comm.topology
+    return topology.ep_rank if ep is not None and name in ep.splits else topology.tp_rank
 
 
 def split_info(split: Optional[TensorSplit]) -> Optional[dict]:
-    return None if split is None else {"dim": split.dim, "parts": split.parts, "size": split.size}
+    if split is None:
+        return None
+    info = {"dim": split.dim, "parts": split.parts, "size": split.size}
+    return {**info, "axis": "ep"} if isinstance(split, ExpertSplit) else info
 
 
 def saved_split(info: dict) -> Optional[TensorSplit]:
