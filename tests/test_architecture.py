@@ -20,7 +20,7 @@ LAYERS = [
     ("zerodp.version", "zerodp.policies", "zerodp.config", "zerodp.config_world"),
     ("zerodp.distributed",),
     ("zerodp.memory",),
-    ("zerodp.sharding", "zerodp.tensor_parallel"),
+    ("zerodp.sharding", "zerodp.tensor_parallel", "zerodp.expert_parallel"),
     ("zerodp.schedule",),
     ("zerodp.optim",),
     ("zerodp.checkpoint",),

@@ -20,7 +20,8 @@ from .config import Config, ConfigError
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
-from .expert_parallel import ExpertParallelModel, apply_expert_parallel
+from .expert_parallel import ExpertParallelModel, apply_expert_parallel, refuse_module_state_dicts
+from .expert_parallel.plan import ep_plan_of
 from .integrations.peft import refuse_in_place_merges
 from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
@@ -35,6 +36,7 @@ from .sharding.meta_init import default_device, has_meta, materialize
 from .sharding.prepare import check_param_dtypes
 from .sharding.shard import ExpertShards, flatten_groups, shard_units
 from .tensor_parallel import parallelize
+from .tensor_parallel.plan import plan_of
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,12 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
     groups = grouped_params(inner, named)
     carried = take_carried_state(inner)  # [Note: the script's own optimizer] in optim/inner.py
     described = describe(model, inner, config)
+    # Ranks that split different modules, or the same ones another way, build layers whose
+    # collectives do not pair: the first forward would wait out the collective timeout.
+    if config.tensor_parallel_size > 1:
+        described["tensor-parallel plan (module pattern, style)"] = list(plan_of(model).items())
+    if config.expert_parallel_size > 1:  # as above: ranks that split other banks would not pair their exchanges
+        described["expert-parallel plan (name pattern, style)"] = list(ep_plan_of(model).items())
     described["optimizer state carried in"] = carried is not None  # loading it is collective
     return inner, groups, described, carried
 
@@ -242,7 +250,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         opt = ZeroOptimizer(inner, ShardedModel(flat.storages, named, group_indices, reducer,
                                                 tensor_parallel=tensor_parallel, frozen=lambda: frozen), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
-        if comm.topology.tp_size > 1:  # split parameters' state dict values are DTensors here too
+        if comm.topology.tp_size > 1 or experts is not None:  # split parameters are gathered whole
             install_save_pretrained(model, opt)
         log.info("rank %d: stage %d over %d ranks, %d trainable elements in %d groups", comm.rank,
                  config.stage, comm.world_size, sum(g.layout.numel for g in flat.groups), len(flat.groups))
@@ -251,6 +259,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
     opt.expert_parallel = expert_parallel  # which parameters are banks, and how split: checkpoint/tp_pieces.py
+    if expert_parallel is not None:
+        refuse_module_state_dicts(model, config.expert_parallel_size)
     install_ddp_accumulation(model, opt.grad_sync)
     if carried is not None:  # the state the script's own optimizer held, now in the shards
         opt.load_state_dict(carried)

@@ -30,17 +30,6 @@ def describe(model: nn.Module, inner: torch.optim.Optimizer, config: Config) -> 
             (len(g["params"]), {k: _comparable(v) for k, v in sorted(g.items()) if k != "params"})
             for g in inner.param_groups],
     }
-    if config.tensor_parallel_size > 1:
-        # Ranks that split different modules, or the same ones another way, build layers whose
-        # collectives do not pair: the first forward would wait out the collective timeout.
-        # (Imported here: tensor_parallel imports memory.placement, which imports this module.)
-        from ..tensor_parallel.plan import plan_of
-
-        described["tensor-parallel plan (module pattern, style)"] = list(plan_of(model).items())
-    if config.expert_parallel_size > 1:  # as above: ranks that split other banks would not pair their exchanges
-        from ..expert_parallel.plan import ep_plan_of
-
-        described["expert-parallel plan (name pattern, style)"] = list(ep_plan_of(model).items())
     return described
 
 
