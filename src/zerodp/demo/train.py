@@ -3,8 +3,8 @@ corpus, with ZeRO, one process per rank under torchrun.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m zerodp.demo.train --steps 250
 
-`zerodp train` builds that command line; this module also runs alone (without torchrun: world size 1). Rank 0 shows a progress bar and, at
-the end, a summary table, a generated sample, `summary.json` and `summary.png` in --out.
+`zerodp train` builds that command line; this module also runs alone (world size 1). Rank 0 shows
+a progress bar and, at the end, a summary table, a sample, `summary.json` and `summary.png` in --out.
 Every rank runs every forward (evaluation and generation too): under stage 3 each forward
 gathers parameters, and a gather needs all ranks.
 """
