@@ -40,8 +40,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max())
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# SGD (the scale-sensitive check) at every stage; AdamW, nanoGPT's own, where its states are
+# sharded differently (stage 1: the flat chunk; stage 3: per unit).
+@pytest.mark.parametrize("stage,kind", [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"), (1, "adamw"), (3, "adamw")])
 def test_nanogpt_loop_changed_only_at_the_ddp_line(pool, tmp_path, stage, kind):
     tol = SGD_TOL if kind == "sgd" else ADAMW_TOL
     results = pool.run(N, cases.script_case, stage, kind, str(tmp_path), timeout_s=300)
@@ -67,8 +68,7 @@ def test_nanogpt_loop_changed_only_at_the_ddp_line(pool, tmp_path, stage, kind):
             assert rel(zero["sample"], ddp["sample"]) <= tol * 10, "sampled logits"
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage,kind", [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"), (2, "adamw")])
 def test_zero_grad_keeps_unreached_parameters_unstepped(pool, stage, kind):
     for r in pool.run(N, cases.unreached_case, stage, kind):
         assert r["ddp"] == {"moved": 0.0, "grad_is_none": True}, r
