@@ -139,7 +139,13 @@ def parity_case(rank, world_size, name, stage, opt_name, ep_size, micro_batches=
     init = {n: initial_banks[n].chunk(ep_size, dim=0)[ep_rank] for n in banks}
     num = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in banks)
     den = sum(float((want[n] - init[n]).double().pow(2).sum()) for n in banks)
+    report = opt.memory_report()
+    memory = {k: getattr(report, k) for k in ("expert_params", "expert_grads", "expert_master",
+                                               "expert_optimizer_states", "expert_numel", "expert_world_size",
+                                               "params", "optimizer_states", "stage")}
+    memory["bank_numel"] = sum(p.numel() for n, p in build(name).named_parameters() if n in banks)
     return {"losses": losses, "ref_losses": ref_losses, "errors": errors, "a2a": a2a, "banks": sorted(banks),
+            "memory": memory,
             "bank_update_rel": (num / den) ** 0.5,
             "ep_rank": comm.topology.ep_rank, "rank": comm.rank,
             "bank_shapes": {n: tuple(initial_banks[n].shape) for n in banks},
@@ -177,7 +183,19 @@ def save_case(rank, world_size, name, stage, ep_size, path):
     model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps), cfg)
     _train_steps(model, opt, world_size, rank, range(SAVED_STEPS))
     zerodp.save(path, model, opt)
-    return {"next_loss": _train_steps(model, opt, world_size, rank, range(SAVED_STEPS, SAVED_STEPS + 1))[0]}
+    # The whole model, each bank gathered over its expert-parallel group, against the reference.
+    full = zerodp.full_state_dict(model, opt)
+    ref, _ = train_reference(name, "sgd", SAVER_WORLD, steps=SAVED_STEPS)
+    whole = {n: rel(full[n], p.detach()) for n, p in ref.named_parameters()}
+    shapes = all(tuple(full[n].shape) == tuple(p.shape) for n, p in ref.named_parameters())
+    refused = []
+    for call in (lambda: model.state_dict(), lambda: model.load_state_dict(full)):
+        try:
+            call()
+        except RuntimeError as e:
+            refused.append(str(e))
+    return {"next_loss": _train_steps(model, opt, world_size, rank, range(SAVED_STEPS, SAVED_STEPS + 1))[0],
+            "full_state": whole, "full_shapes": shapes, "refused": refused}
 
 
 def load_case(rank, world_size, name, stage, ep_size, path):
@@ -201,3 +219,40 @@ def load_case(rank, world_size, name, stage, ep_size, path):
         out["consolidated"] = {n: rel(full[n], want[n].detach()) for n in want}
         out["consolidated_shapes"] = all(tuple(full[n].shape) == tuple(want[n].shape) for n in want)
     return out
+
+
+# -- what is refused, with its reason -------------------------------------------------------
+class NoPlan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def refusal_case(rank, world_size):
+    """initialize's refusals under expert parallelism, raised on every rank: a model without
+    a plan, a bank that does not split into the groups, a plan naming no module."""
+    out = {}
+    three = lambda: _with_experts(3)  # noqa: E731
+    for key, builder, plan in (("no plan", NoPlan, None), ("indivisible", three, None),
+                               ("unmatched", lambda: build("mixtral"), {"model.nothing.*": "ep_dispatch_experts"})):
+        model = builder()
+        if plan is not None:
+            model.expert_parallel_plan = plan
+        try:
+            zerodp.initialize(model, torch.optim.SGD, zerodp.Config(stage=1, expert_parallel_size=2), lr=0.1)
+            out[key] = None
+        except Exception as e:  # noqa: BLE001 - the message is what the test reads
+            out[key] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _with_experts(n: int) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                            num_local_experts=n, num_experts_per_tok=TOP_K))

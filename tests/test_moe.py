@@ -54,12 +54,66 @@ def check(results, opt, ep):
             assert phases.count(("backward", "tokens")) == phases.count(("backward", "outputs")) == LAYERS
 
 
+def check_memory(results, opt):
+    """The ledger's expert categories against the formula with N/k (ZeRO's, over the ranks
+    that hold the same experts): this rank's banks are bank_numel / k elements; fp32, so the
+    parameters and gradients are 4 bytes an element, AdamW's states 8, SGD's momentum 4; at
+    stage 3 the parameters are sharded over the N/k ranks, at stages 1-2 held whole; the
+    states always sharded. Padding: at most N/k elements per bank storage (2 per layer)."""
+    for r in results:
+        m = r["memory"]
+        local = m["bank_numel"] // 2
+        assert m["expert_numel"] == local, m
+        n = m["expert_world_size"]
+        pad = 4 * LAYERS * n
+        states = 8 if opt == "adamw" else 4
+        held = local if m["stage"] < 3 else local / n
+        assert held * 4 <= m["expert_params"] <= held * 4 + 4 * pad, m
+        assert local / n * states <= m["expert_optimizer_states"] <= (local / n + pad) * states, m
+        assert m["expert_params"] <= m["params"] and m["expert_optimizer_states"] <= m["optimizer_states"]
+
+
 GRID = [(name, stage, opt) for name in cases.MODELS for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
 
 
 @pytest.mark.parametrize("name,stage,opt", GRID)
 def test_two_ranks_two_expert_groups(pool, name, stage, opt):
-    check(pool.run(2, cases.parity_case, name, stage, opt, 2, timeout_s=TIMEOUT_S), opt, 2)
+    results = pool.run(2, cases.parity_case, name, stage, opt, 2, timeout_s=TIMEOUT_S)
+    check(results, opt, 2)
+    check_memory(results, opt)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_four_ranks_two_expert_groups_of_two(pool, stage):
+    """N=4, EP=2: each bank's experts on 2 ranks, each expert's rows sharded over 2."""
+    results = pool.run(4, cases.parity_case, "qwen3_moe", stage, "sgd", 2, timeout_s=TIMEOUT_S)
+    check(results, "sgd", 2)
+    check_memory(results, "sgd")
+    assert all(r["memory"]["expert_world_size"] == 2 for r in results)
+
+
+def test_refusals_name_the_reason(pool):
+    results = pool.run(2, cases.refusal_case, timeout_s=TIMEOUT_S)
+    for r in results:
+        assert "has no expert-parallel plan" in r["no plan"], r
+        assert "3 experts do not split into Config.expert_parallel_size=2" in r["indivisible"], r
+        assert "matches no module" in r["unmatched"], r
+
+
+@pytest.mark.parametrize("fields,name,words", [
+    ({"stage": 0}, "stage", "use stage 1, 2 or 3"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size", "tensor and expert parallelism"),
+    ({"replicate_size": 2}, "replicate_size", "hybrid sharding"),
+    ({"offload_optimizer": "host"}, "offload_optimizer", "offloaded step"),
+    ({"compile_units": True}, "compile_units", "compiled unit"),
+    ({"stage": 3, "hpz": True}, "hpz", "node axes"),
+    ({"expert_parallel_size": 0}, "expert_parallel_size", "positive integer"),
+])
+def test_what_does_not_compose_is_refused_at_construction(fields, name, words):
+    import zerodp
+
+    with pytest.raises(zerodp.ConfigError, match=f"Config.{name}=.*{words}"):
+        zerodp.Config(**{"expert_parallel_size": 2, **fields})
 
 
 def test_checkpoint_across_expert_parallel_layouts(pool, tmp_path):
@@ -77,6 +131,29 @@ def test_checkpoint_across_expert_parallel_layouts(pool, tmp_path):
             assert r["errors"][worst] <= SGD_TOL, (world, worst, r["errors"][worst])
             assert abs(r["next_loss"] - saved[0]["next_loss"]) / (1 + abs(saved[0]["next_loss"])) <= SGD_TOL, \
                 (world, r["next_loss"], saved[0]["next_loss"])
+    for r in saved:  # zerodp.full_state_dict: every bank whole, gathered over its group
+        assert r["full_shapes"] and max(r["full_state"].values()) <= SGD_TOL, max(r["full_state"].values())
+        assert len(r["refused"]) == 2 and all("expert_parallel_size=2" in m for m in r["refused"]), r["refused"]
     one = loads[1][1][0]
     assert one["consolidated_shapes"]
     assert max(one["consolidated"].values()) <= SGD_TOL
+
+
+def test_estimate_of_an_moe_model_against_the_formula():
+    """docs/moe.md's table: without EP the model's ZeRO formula; with it, the experts' fΨ/k by
+    the formula over N/k ranks; at stage 3 the same total (the states are divided by N either
+    way), at stage 1 the experts' parameters and gradients divided by k."""
+    from zerodp.memory import estimator as est
+
+    psi, f, n = 8_000_000, 0.75, 8
+    for stage in (0, 1, 2, 3):
+        plain = est.model_state_bytes(psi, n, stage)
+        assert est.moe_state_bytes(psi, n, stage, f, 1)["total"] == pytest.approx(plain)
+    assert est.moe_state_bytes(psi, n, 3, f, 4)["total"] == pytest.approx(est.model_state_bytes(psi, n, 3))
+    one = est.moe_state_bytes(psi, n, 1, f, 4)
+    assert one["experts"] == pytest.approx((2 + 2) * f * psi / 4 + 12 * f * psi / n)
+    assert one["dense"] == pytest.approx((2 + 2 + 12 / n) * (1 - f) * psi)
+    step = est.moe_step_numel(psi, f, 4, moe_layers=2, tokens=64, top_k=2, hidden=16)
+    assert step["experts"] == pytest.approx(3 * f * psi / 4) and step["all_to_all"] == 4 * 2 * 64 * 2 * 16
+    with pytest.raises(ValueError, match="ep_size=3 must divide"):
+        est.moe_state_bytes(psi, n, 3, f, 3)

@@ -216,6 +216,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         comm, expert_parallel = _split_experts(model, comm, config.expert_parallel_size)
         experts = ExpertShards(expert_parallel.param_ids, tuple(expert_parallel.modules.items()),
                                expert_parallel.expert_comm, comm.world_size)
+        refuse_module_state_dicts(model, config.expert_parallel_size)  # before the sharding's own hooks
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,
@@ -259,8 +260,6 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
     opt.expert_parallel = expert_parallel  # which parameters are banks, and how split: checkpoint/tp_pieces.py
-    if expert_parallel is not None:
-        refuse_module_state_dicts(model, config.expert_parallel_size)
     install_ddp_accumulation(model, opt.grad_sync)
     if carried is not None:  # the state the script's own optimizer held, now in the shards
         opt.load_state_dict(carried)

@@ -19,7 +19,7 @@ from ..sharding.model_state import full_unit_tensors, serving_whole
 from ..sharding.rows import gather_split
 from ..sharding.units import embedding_modules
 from .format import PathLike, describe_error, plain_module, raise_if_failed
-from .tp_pieces import ranks_of, splits_of
+from .tp_pieces import ExpertSplit, ranks_of, splits_of
 
 __all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
 
@@ -74,7 +74,9 @@ def _full_state(model: nn.Module, optimizer, keep: bool, cpu_offload: bool, froz
                 whole[id(p)] = t.cpu() if cpu_offload else t
     for name, p in model.named_parameters():  # in the same order on every rank
         if name in splits and (frozen_values is True or p.requires_grad or (wanted and id(p) in wanted)):
-            full = gather_split(optimizer.comm, whole.get(id(p), p.detach()), splits[name], label="full state dict")
+            axis = "ep" if isinstance(splits[name], ExpertSplit) else "tp"  # an expert bank's rows by expert
+            full = gather_split(optimizer.comm, whole.get(id(p), p.detach()), splits[name], label="full state dict",
+                                axis=axis)
             whole[id(p)] = full.to(device or full.device) if keep else None
     if not keep:
         return {}

@@ -117,7 +117,11 @@ def _estimate_placed(args, model, shape=None) -> int:
 
 def check_estimate_flags(args: argparse.Namespace) -> None:
     """The numbers of `zerodp estimate`, each finite and in range, whichever table is asked for."""
+    fraction = args.expert_fraction
     require(("--tp-size", args.tp_size, args.tp_size >= 1, "must be >= 1 (1 = no tensor parallelism)"),
+            ("--ep-size", args.ep_size, args.ep_size >= 1, "must be >= 1 (1 = no expert parallelism)"),
+            ("--expert-fraction", fraction, fraction is None or (math.isfinite(fraction) and 0 <= fraction <= 1),
+             "use a fraction of the parameters between 0 and 1"),
             *(("--world-sizes", n, n >= 1, "not a world size (must be >= 1)") for n in args.world_sizes),
             ("-k", args.k, math.isfinite(args.k) and args.k >= 0, "use a finite number of bytes per parameter, >= 0"),
             ("--grad-bytes", args.grad_bytes, math.isfinite(args.grad_bytes) and args.grad_bytes >= 0,
@@ -140,6 +144,8 @@ def cmd_estimate(args: argparse.Namespace, argv: list[str]) -> int:
     model = _resolve_model(args)
     if model is None and args.device_memory is None:
         raise UsageError("give --params, --model or --model-config (or --device-memory, or --paper-table-1)")
+    if args.expert_fraction is not None:
+        return _print_moe(args, model)
     tp = args.tp_size
     kw = dict(k=args.k, param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, tp_size=tp)
     pa_flags = args.partition_activations or args.activations_on_host
@@ -191,6 +197,40 @@ def cmd_estimate(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _print_moe(args, model) -> int:
+    """Model states per rank of an MoE model, experts apart, with and without expert
+    parallelism (docs/moe.md, "What each rank holds")."""
+    from zerodp.memory import estimator as est
+
+    if model is None:
+        raise UsageError("--expert-fraction needs the model's size: give --params, --model or --model-config")
+    if args.tp_size > 1:
+        raise UsageError("--expert-fraction with --tp-size: tensor and expert parallelism together are not built")
+    label, psi = model
+    f, ep = args.expert_fraction, args.ep_size
+    print(f"{label}: Ψ = {psi:,} parameters, experts {f:.0%} of them; EP={ep}: each rank holds 1/{ep} of every "
+          f"expert bank, ZeRO shards it over the N/{ep} ranks that hold the same experts (docs/moe.md); GB = 1e9 bytes")
+    header = ["DP", "stage", "dense GB", "experts GB", "total GB", "total without EP GB"]
+    lines = [header]
+    kw = dict(k=args.k, param_bytes=args.param_bytes, grad_bytes=args.grad_bytes)
+    for n in args.world_sizes:
+        if n % ep:
+            continue
+        for s in args.stages:
+            with_ep = est.moe_state_bytes(psi, n, s, f, ep, **kw)
+            without = est.moe_state_bytes(psi, n, s, f, 1, **kw)
+            lines.append([str(n), est.STAGE_NAMES[s]] + [est.format_gb(with_ep[c] / est.GB)
+                                                         for c in ("dense", "experts", "total")]
+                         + [est.format_gb(without["total"] / est.GB)])
+    if len(lines) == 1:
+        raise UsageError(f"--ep-size {ep} divides none of --world-sizes {args.world_sizes}")
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print(f"at stage 3 a rank gathers 1/{ep} of a layer's bank while the layer runs (without EP: all of it)")
+    return 0
+
+
 def add_arguments(e: argparse.ArgumentParser) -> None:
     from zerodp.memory import estimator
 
@@ -203,6 +243,11 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--tp-size", type=int, default=1, metavar="N",
                    help="tensor-parallel degree (default 1): each rank holds the model states of Ψ/N "
                         "parameters, which ZeRO partitions over the data-parallel ranks; world = DP x TP")
+    e.add_argument("--expert-fraction", type=float, default=None, metavar="F",
+                   help="an MoE model: the fraction of its parameters in expert banks (0-1); prints its model "
+                        "states with and without expert parallelism (docs/moe.md)")
+    e.add_argument("--ep-size", type=int, default=1, metavar="K",
+                   help="with --expert-fraction: Config.expert_parallel_size (default 1)")
     e.add_argument("--stages", type=int, nargs="+", choices=estimator.STAGES, default=list(estimator.STAGES),
                    metavar="S", help="ZeRO stages among 0 1 2 3 (default all)")
     e.add_argument("-k", type=float, default=12, help="optimizer bytes per parameter (12: mixed-precision Adam)")

@@ -128,6 +128,42 @@ def largest_model(device_bytes: float, world_size: int, stage: int, k: float = 1
     return math.floor(Fraction(device_bytes) * tp_size / per_param)
 
 
+def moe_state_bytes(num_params: int, world_size: int, stage: int, expert_fraction: float, ep_size: int = 1,
+                    k: float = 12, param_bytes: float = 2, grad_bytes: float = 2) -> dict:
+    """Bytes of model states per rank of an MoE model whose experts are `expert_fraction`
+    of its Ψ parameters, with expert parallelism over `ep_size` ranks (docs/moe.md, "What
+    each rank holds"): the non-expert part as ZeRO's formula over the N ranks; each rank's
+    fΨ/ep_size expert parameters by the same formula over the N/ep_size ranks that hold them
+    ([Note: expert-parallel axes] in distributed/topology.py). Returns {"dense", "experts",
+    "total", "gathered_bank_fraction"}: the last, at stage 3, the fraction of the experts a
+    rank gathers while a layer runs (1/ep_size of its bank)."""
+    _check(num_params, world_size, stage, k, param_bytes, grad_bytes)
+    _check_ints(ep_size=ep_size)
+    if not 0 <= expert_fraction <= 1:
+        raise ValueError(f"expert_fraction={expert_fraction}: must be between 0 and 1")
+    if world_size % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide world_size={world_size}")
+    f, psi = Fraction(expert_fraction), Fraction(num_params)
+    dense = (1 - f) * psi * _bytes_per_param(world_size, stage, k, param_bytes, grad_bytes)
+    experts = f * psi / ep_size * _bytes_per_param(world_size // ep_size, stage, k, param_bytes, grad_bytes)
+    return {"dense": float(dense), "experts": float(experts), "total": float(dense + experts),
+            "gathered_bank_fraction": 1 / ep_size}
+
+
+def moe_step_numel(num_params: int, expert_fraction: float, ep_size: int, moe_layers: int, tokens: int,
+                   top_k: int, hidden: int) -> dict:
+    """Elements one rank sends per stage-3 step (the comm ledger's count, ZeRO §7's for the
+    gathers): without EP each bank is gathered twice and reduce-scattered once, 3 fΨ; with it
+    3 fΨ / ep_size over the ranks that share it, plus the all-to-alls: each of the rank's
+    `tokens` x `top_k` (token, expert) rows of `hidden` elements out and back in the forward,
+    and their gradients in the backward, per MoE layer (docs/moe.md, "When EP pays")."""
+    _check_ints(ep_size=ep_size, moe_layers=moe_layers, top_k=top_k, hidden=hidden)
+    bank = 3 * expert_fraction * num_params
+    a2a = 4 * moe_layers * tokens * top_k * hidden if ep_size > 1 else 0
+    return {"dense": 3 * (1 - expert_fraction) * num_params, "experts": bank / ep_size, "all_to_all": a2a,
+            "total": 3 * (1 - expert_fraction) * num_params + bank / ep_size + a2a}
+
+
 PLACES = ("device", "host", "disk")
 
 

@@ -65,6 +65,15 @@ class MemoryReport:
     # gathered; this rank's slice under `keep_logits_split`).
     # Autograd holds them, not the engine, so they are a peak beside the categories, not in `total`.
     logits_peak: int = 0
+    # Expert parallelism ([Note: expert-parallel axes] in distributed/topology.py): of the
+    # categories above, the bytes of the expert banks' storages (this rank's E/k experts,
+    # sharded over the expert_world_size = N/k ranks that hold them), and their elements.
+    expert_params: int = 0
+    expert_grads: int = 0
+    expert_master: int = 0
+    expert_optimizer_states: int = 0
+    expert_numel: int = 0
+    expert_world_size: int = 0
 
     @property
     def owned_imbalance(self) -> float:

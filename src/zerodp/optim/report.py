@@ -50,7 +50,8 @@ def measure(opt) -> MemoryReport:
         offloaded.claim(stepper.placement.kind, (t for t in kept if stepper.placement.owns(t)))
     offloaded.claim("activations_host", checkpoints["host"])
     by_place = offloaded.by_owner()
-    return MemoryReport(
+    experts = _expert_bytes(opt, storages)
+    return MemoryReport(**experts,
         host_offloaded=by_place.get("host", 0), disk_offloaded=by_place.get("disk", 0),
         **{c: held.pop(c, 0) for c in CATEGORIES},
         numel=sum(lay.numel for lay in layouts), padded_numel=sum(lay.padded_numel for lay in layouts),
@@ -64,3 +65,35 @@ def measure(opt) -> MemoryReport:
         if opt.config.stage >= 1 else (),
         other=sum(held.values()), other_by_owner=tuple(sorted(held.items())))
 
+
+
+def _expert_bytes(opt, storages: list) -> dict:
+    """The expert banks' share of the categories: their storages' parameters and gradients,
+    and the masters and optimizer states of their shards (docs/moe.md, "What each rank holds")."""
+    ep = getattr(opt, "expert_parallel", None)
+    if ep is None:
+        return {}
+    ids = ep.param_ids
+
+    def bank(storage) -> bool:
+        params = getattr(storage, "params", None)
+        if params is None:
+            params = getattr(getattr(storage, "unit", None), "params", None) or []
+        return bool(params) and all(id(p) in ids for p in params)
+
+    banks = [st for st in storages if bank(st)]
+    shards = [s for s in opt.stepper.all_shards() if bank(s.storage)]
+    held = [st.held_tensors() for st in banks]
+    census = Census()
+    census.claim("params", (t for h in held for t in h["params"]))
+    census.claim("grads", (t for h in held for t in h["grads"]))
+    census.claim("grads", (m.grad for s in shards for m in s.master_tensors))
+    census.claim("master", (m for s in shards for m in s.master_tensors))
+    masters = {id(m) for s in shards for m in s.master_tensors}
+    census.claim("optimizer_states", (v for p, state in opt.stepper.inner.state.items() if id(p) in masters
+                                      for v in state.values() if is_elementwise_state(v, p)))
+    by = census.by_owner()
+    return {"expert_params": by.get("params", 0), "expert_grads": by.get("grads", 0),
+            "expert_master": by.get("master", 0), "expert_optimizer_states": by.get("optimizer_states", 0),
+            "expert_numel": sum(lay.numel for lay in {id(st.layout): st.layout for st in banks}.values()),
+            "expert_world_size": ep.expert_comm.shard_size}

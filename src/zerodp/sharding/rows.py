@@ -194,14 +194,15 @@ class RowSharding:
         return "full", value.reshape(-1)
 
 
-def gather_split(comm: Comm, local: torch.Tensor, split: TensorSplit, label: str = "") -> torch.Tensor:
+def gather_split(comm: Comm, local: torch.Tensor, split: TensorSplit, label: str = "",
+                 axis: str = "tp") -> torch.Tensor:
     """The original parameter from every tensor-parallel rank's slice `local` (collective over
-    the ``tp`` axis), on `local`'s device: an offloaded slice on the host is gathered on the
-    comm's device and comes back home."""
+    the ``tp`` axis; an expert bank's over ``ep``), on `local`'s device: an offloaded slice on
+    the host is gathered on the comm's device and comes back home."""
     home = local.device
     flat = local.reshape(-1).to(comm.device).contiguous()
     gathered = torch.empty((split.size, flat.numel()), dtype=flat.dtype, device=flat.device)
-    comm.collectives("tp").all_gather(gathered.view(-1), flat, "checkpoint", label=label)
+    comm.collectives(axis).all_gather(gathered.view(-1), flat, "checkpoint", label=label)
     return split.join([g.view(local.shape) for g in gathered]).to(home)
 
 
