@@ -521,6 +521,18 @@ class Config:
         except ConfigError as e:
             raise ConfigError(f"Config file {path!r}: {e}") from None
 
+    @classmethod
+    def from_deepspeed(cls, config: Union[str, os.PathLike, Mapping[str, Any]], **context):
+        """A DeepSpeed JSON config (a dict or a path) as `(Config, outside)`: `outside` holds
+        what the training loop applies itself (the clip norm, the optimizer and scheduler the
+        file describes, the batch sizes, what each "auto" became). `context`: training_args,
+        model, num_training_steps, world_size. Every key is mapped, accepted as having no
+        effect (logged once) or refused by name: integrations/deepspeed.py, docs/deepspeed.md."""
+        # Imported here: the translation builds on this module (and imports torch's optimizers).
+        from .integrations.deepspeed import from_deepspeed
+
+        return from_deepspeed(config, **context)
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["unit_modules"] = [u if isinstance(u, str) else u.__name__ for u in self.unit_modules]

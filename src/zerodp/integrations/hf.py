@@ -36,7 +36,19 @@ trainer state, RNG states, checkpoint rotation) to the Trainer:
   (every process takes part in the staging and commit barriers).
 
 Mixed precision comes from `TrainingArguments(bf16=True)` / `fp16=True` (mapped to
-Config.mixed_precision); DeepSpeed, FSDP and torch.compile are refused.
+Config.mixed_precision); FSDP and torch.compile are refused.
+
+A DeepSpeed config trains with zerodp through this module's `TrainingArguments`
+(`deepspeed=` as transformers takes it: a dict or a JSON path). transformers'
+TrainingArguments hands `deepspeed=` to accelerate's DeepSpeedPlugin in its `__post_init__`,
+which imports DeepSpeed and has it initialise the process group; the subclass takes the
+config out before that runs (keeping it as `zerodp_deepspeed`), so DeepSpeed is neither
+needed nor started. The Trainer translates it with `Config.from_deepspeed` (the HF Trainer's
+"auto" values from these arguments and the model's hidden size; a value that contradicts the
+arguments refused, as transformers refuses it), builds the optimizer of its `optimizer` block
+over every trainable parameter and the scheduler of its `scheduler` block, as DeepSpeed does
+(integrations/deepspeed.py). A plain transformers TrainingArguments with `deepspeed=` has
+started DeepSpeed already and is refused, naming this class.
 """
 from __future__ import annotations
 
@@ -61,11 +73,13 @@ from ..checkpoint.format import COMPLETE
 from ..checkpoint.tp_pieces import ranks_of
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
+from .deepspeed import from_deepspeed
+from .deepspeed import load_json as load_deepspeed_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "ZeroTrainerMixin", "CHECKPOINT_DIR", "STAGING_DIR", "last_complete_checkpoint",
-           "with_zerodp"]
+__all__ = ["Trainer", "TrainingArguments", "ZeroTrainerMixin", "CHECKPOINT_DIR", "STAGING_DIR",
+           "last_complete_checkpoint", "with_zerodp"]
 
 CHECKPOINT_DIR = "zerodp"  # inside each checkpoint-N folder
 STAGING_DIR = ".zerodp-staging"  # inside the output dir: checkpoint-N while it is written
@@ -94,12 +108,47 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
     return None
 
 
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' TrainingArguments whose `deepspeed=` (a DeepSpeed config: a dict or a JSON
+    path) zerodp's Trainer translates instead of starting DeepSpeed (see the module docstring)."""
+
+    zerodp_deepspeed: Union[dict, str, None] = dataclasses.field(
+        default=None, metadata={"help": "The DeepSpeed config given as deepspeed=, for zerodp's Trainer."})
+
+    def __post_init__(self):
+        if self.deepspeed:
+            self.zerodp_deepspeed, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+
+
+def _deepspeed_translation(training_args, model, zerodp_config):
+    """The (Config, Outside) of `training_args`' DeepSpeed config, or None without one."""
+    if getattr(training_args, "deepspeed", None):
+        raise ConfigError("TrainingArguments(deepspeed=...) from transformers has started DeepSpeed already (its "
+                          "__post_init__ builds accelerate's DeepSpeedPlugin): build the arguments with "
+                          "zerodp.integrations.hf.TrainingArguments(deepspeed=...), which zerodp translates")
+    source = getattr(training_args, "zerodp_deepspeed", None)
+    if not source:
+        return None
+    if zerodp_config is not None:
+        raise ConfigError("both zerodp_config and TrainingArguments(deepspeed=...): give one of them")
+    without_scheduler = {k: v for k, v in load_deepspeed_json(source).items() if k != "scheduler"}
+    return from_deepspeed(without_scheduler, training_args=training_args, model=model)
+
+
 class ZeroTrainerMixin:
     """What zerodp changes in a `transformers.Trainer` (see the module docstring); it comes
     before the Trainer class in the bases, as `with_zerodp` puts it."""
 
     def __init__(self, *args, zerodp_config: Union[Config, dict, None] = None, zerodp_async_save: bool = False,
                  **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        deepspeed = _deepspeed_translation(training_args, kwargs.get("model", args[0] if args else None),
+                                           zerodp_config)
+        self._deepspeed_outside = deepspeed.outside if deepspeed is not None else None
+        if deepspeed is not None:
+            zerodp_config = deepspeed.config
         config = Config.from_dict(zerodp_config) if isinstance(zerodp_config, dict) else (zerodp_config or Config())
         if not isinstance(config, Config):
             raise TypeError(f"zerodp_config must be a zerodp.Config or a dict, got {type(config).__name__}")
@@ -217,7 +266,11 @@ class ZeroTrainerMixin:
             raise ValueError("Trainer(optimizers=(optimizer, scheduler)): the scheduler drives the plain optimizer, "
                              "which zerodp wraps. Pass optimizers=(optimizer, None) and let the Trainer build the "
                              "schedule (lr_scheduler_type), or override create_scheduler")
-        plain = super().create_optimizer(model)
+        described = self._deepspeed_outside.optimizer if self._deepspeed_outside is not None else None
+        if described is not None:  # DeepSpeed's optimizer block: every trainable parameter, one group
+            plain = described(p for p in self.model.parameters() if p.requires_grad)
+        else:
+            plain = super().create_optimizer(model)
         # The Trainer's no-decay group is empty when only weights train (LoRA adapters):
         # zerodp refuses an empty group, which elsewhere means a mistake.
         plain.param_groups = [g for g in plain.param_groups if g["params"]]
@@ -229,6 +282,18 @@ class ZeroTrainerMixin:
         self.optimizer._is_accelerate_prepared = True
         self.model_wrapped = self.model
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        source = getattr(self.args, "zerodp_deepspeed", None)
+        block = load_deepspeed_json(source).get("scheduler") if source and self.lr_scheduler is None else None
+        if block is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        # Its "auto" values need the run's length, known only now.
+        outside = from_deepspeed({"scheduler": block}, training_args=self.args,
+                                 num_training_steps=num_training_steps).outside
+        self.lr_scheduler = outside.scheduler(optimizer if optimizer is not None else self.optimizer)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     # -- one step -----------------------------------------------------------------------------
     def _zerodp_backward(self, loss: torch.Tensor, **kwargs) -> None:
