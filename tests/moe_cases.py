@@ -70,14 +70,16 @@ def optimizer(name: str, params):
     return torch.optim.AdamW(params, **ADAMW)
 
 
-def train_reference(name: str, opt_name: str, world_size: int, steps: int = STEPS) -> tuple[nn.Module, list]:
+def train_reference(name: str, opt_name: str, world_size: int, steps: int = STEPS,
+                    micro_batches: int = 1) -> tuple[nn.Module, list]:
     """One process, the unsplit model, every rank's batch: DDP's objective, the mean of the
-    N ranks' losses."""
+    N ranks' losses (of each rank's micro-batches, as its accumulation averages them)."""
     ref = build(name)
     opt = optimizer(opt_name, ref.parameters())
     losses = []
     for step in range(steps):
-        loss = sum(loss_of(ref, batch(step, r)) for r in range(world_size)) / world_size
+        loss = sum(loss_of(ref, part) for r in range(world_size)
+                   for part in batch(step, r).chunk(micro_batches)) / (world_size * micro_batches)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -107,7 +109,7 @@ def parity_case(rank, world_size, name, stage, opt_name, ep_size, micro_batches=
     """Train `name` at `stage` with expert_parallel_size=`ep_size` for STEPS steps; per step
     the mean loss over the ranks, at the end every parameter, against the reference; and
     the all-to-alls the ledger counted."""
-    ref, ref_losses = train_reference(name, opt_name, world_size)
+    ref, ref_losses = train_reference(name, opt_name, world_size, micro_batches=micro_batches)
     model = build(name)
     initial_banks = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
     cfg = zerodp.Config(stage=stage, expert_parallel_size=ep_size, grad_accumulation_steps=micro_batches)
@@ -150,6 +152,31 @@ def parity_case(rank, world_size, name, stage, opt_name, ep_size, micro_batches=
             "ep_rank": comm.topology.ep_rank, "rank": comm.rank,
             "bank_shapes": {n: tuple(initial_banks[n].shape) for n in banks},
             "units": [u.name for u in opt.stage3.units] if opt.stage3 is not None else None}
+
+
+def bf16_case(rank, world_size, name, stage):
+    """bf16 compute: the same run without and with expert parallelism (zerodp both, the
+    same stage and world), every step's loss and this rank's view of the parameters."""
+    runs = {}
+    for ep_size in (1, 2):
+        model = build(name)
+        cfg = zerodp.Config(stage=stage, expert_parallel_size=ep_size, mixed_precision="bf16")
+        model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps), cfg)
+        losses = []
+        for step in range(STEPS):
+            loss = loss_of(model, batch(step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(opt.comm.sum_scalar(loss.detach().float())) / world_size)
+        ep_rank = opt.comm.topology.ep_rank
+        with zerodp.gathered_parameters(model):
+            params = {n: (p.detach().float().chunk(2, dim=0)[rank % 2] if ep_size == 1 and ".experts." in n
+                          else p.detach().float()).clone() for n, p in model.named_parameters()}
+        runs[ep_size] = (losses, params, ep_rank)
+    (plain_losses, plain, _), (losses, split, ep_rank) = runs[1], runs[2]
+    assert ep_rank == rank % 2
+    return {"losses": losses, "plain_losses": plain_losses, "errors": {n: rel(split[n], plain[n]) for n in plain}}
 
 
 # -- checkpoints across expert-parallel layouts ---------------------------------------------
