@@ -210,7 +210,7 @@ def zerodp_continue(rank: int, world: int, folder: str, stage: int) -> dict:
 def trainer_with_deepspeed(rank: int, world: int, out_dir: str, ds_config: dict) -> dict:
     """zerodp's HF Trainer given TrainingArguments(deepspeed=...): what it built, and 3 steps."""
     from hf_trainer_cases import Windows, build_model
-    from zerodp.integrations.deepspeed_optim import DeepSpeedWarmupLR
+    from zerodp.deepspeed_config.optim import DeepSpeedWarmupLR
     from zerodp.integrations.hf import Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=out_dir, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,

@@ -17,7 +17,8 @@ PACKAGE = SRC / "zerodp"
 # config -> topology (distributed) -> layout (memory) -> sharding -> schedule -> optimizer,
 # and every layer moves bytes through distributed's collectives.
 LAYERS = [
-    ("zerodp.version", "zerodp.policies", "zerodp.config", "zerodp.config_world"),
+    ("zerodp.version", "zerodp.policies", "zerodp.config", "zerodp.config_world", "zerodp.config_values",
+     "zerodp.deepspeed_config"),
     ("zerodp.distributed",),
     ("zerodp.memory",),
     ("zerodp.sharding", "zerodp.tensor_parallel", "zerodp.expert_parallel"),
@@ -251,7 +252,8 @@ def test_config_refusals_live_with_the_config():
     """A Config that cannot take effect is refused where it is built (config.py) or, where the
     world decides, by config_world.check_world: nothing below the face re-checks a field
     combination on its own (ConfigErrors elsewhere concern a model or a trainer, not fields)."""
-    allowed = {"zerodp.config", "zerodp.config_world", "zerodp.distributed.topology", "zerodp.tensor_parallel.plan",
+    allowed = {"zerodp.config", "zerodp.config_values", "zerodp.config_world", "zerodp.deepspeed_config", "zerodp.deepspeed_config.zero",
+               "zerodp.deepspeed_config.optim", "zerodp.distributed.topology", "zerodp.tensor_parallel.plan",
                "zerodp.tensor_parallel.activations", "zerodp.integrations.hf", "zerodp.demo.train"}
     raising = {name for name, tree in TREES.items()
                for called, _, _ in _calls_and_keywords(tree) if called == "ConfigError"}

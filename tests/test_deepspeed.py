@@ -41,7 +41,7 @@ import torch
 
 from tolerances import U32, adamw_tol
 from zerodp import Config, ConfigError
-from zerodp.integrations.deepspeed_optim import DeepSpeedWarmupLR
+from zerodp.deepspeed_config.optim import DeepSpeedWarmupLR
 
 deepspeed_cases = pytest.importorskip("deepspeed_cases")
 
@@ -143,7 +143,7 @@ def test_hf_zero3_auto_config_maps_field_by_field():
 def test_hf_configs_without_training_arguments_say_what_auto_became(tmp_path, caplog):
     path = tmp_path / "ds_config_zero3.json"
     path.write_text(json.dumps(ZERO3_AUTO))
-    with caplog.at_level(logging.WARNING, logger="zerodp.integrations.deepspeed"):
+    with caplog.at_level(logging.WARNING, logger="zerodp.deepspeed_config"):
         cfg, out = Config.from_deepspeed(path)  # a JSON path; no model: the buckets keep zerodp's default
     assert cfg == Config(stage=3, offload_optimizer="host", offload_params="host", overlap_comm=True,
                          grad_accumulation_steps=1)

@@ -6,71 +6,19 @@ fields so options cannot sprawl unnoticed.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-import reprlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import torch
 
+from .config_values import (DTYPES, MAX_TIMEOUT_S, OFFLOAD_PLACES, QUANTIZED_BITS, ConfigError, bad_value,
+                            check_positive_finite, check_positive_int, is_one_of, parse_config_text, shown,
+                            torchrun_ranks_per_node)
 from .policies import (BackwardPolicy, OffloadPolicy, PrecisionPolicy, StepPolicy, TensorParallelPolicy, UnitPolicy,
                        ZeroPPPolicy)
 
 __all__ = ["Config", "ConfigError", "DTYPES", "torchrun_ranks_per_node"]
-
-# Names accepted for a dtype, and the torch dtype each one means.
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-
-
-# Where Config.offload_optimizer may put the master and optimizer states.
-OFFLOAD_PLACES = ("none", "host", "disk")
-
-# The longest Config.collective_timeout_s: a year. Anything longer means "never", and past
-# ~292 years the timeout overflows the 64-bit nanosecond clocks torch converts it to
-# (gloo then refuses it as negative).
-MAX_TIMEOUT_S = 365 * 24 * 3600
-
-# Bits of each quantized format of `Config.quantize_grads`.
-QUANTIZED_BITS = {"int8": 8, "int4": 4}
-
-
-class ConfigError(ValueError):
-    """A configuration value is not allowed; the message names the field, value and fix."""
-
-
-# A Config file is one mapping of fields to plain values: a list of class names is the
-# deepest (unit_modules). Deeper is refused by name before it can exhaust Python's stack.
-MAX_FILE_DEPTH = 32
-
-# Containers are shown a few items and levels deep: a YAML alias lets a small file hold a
-# value that is huge, or contains itself, whose full repr would not end.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 2, 4, 4, 4, 4
-
-
-def _shown(value: Any, limit: int = 160) -> str:
-    """`value` as an error message shows it: its repr, at most `limit` characters."""
-    try:
-        text = _REPR.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
-    except ValueError:  # an int past Python's 4,300-digit limit on conversion to text
-        text = f"<{type(value).__name__} too large to show>"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _bad(name: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"Config.{name}={_shown(value)} is not allowed: {allowed}")
-
-
-def _is_one_of(value: Any, allowed) -> bool:
-    """`value in allowed` for the text-valued fields; a list or mapping (unhashable) is not
-    one of them rather than a TypeError."""
-    return isinstance(value, str) and value in allowed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,60 +202,60 @@ class Config:
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            raise _bad("stage", self.stage, "use 0, 1, 2 or 3")
-        if not _is_one_of(self.mixed_precision, DTYPES):
-            raise _bad("mixed_precision", self.mixed_precision, f"use one of {sorted(DTYPES)}")
-        if self.reduce_dtype is not None and not _is_one_of(self.reduce_dtype, DTYPES):
-            raise _bad("reduce_dtype", self.reduce_dtype, f"use None or one of {sorted(DTYPES)}")
+            raise bad_value("stage", self.stage, "use 0, 1, 2 or 3")
+        if not is_one_of(self.mixed_precision, DTYPES):
+            raise bad_value("mixed_precision", self.mixed_precision, f"use one of {sorted(DTYPES)}")
+        if self.reduce_dtype is not None and not is_one_of(self.reduce_dtype, DTYPES):
+            raise bad_value("reduce_dtype", self.reduce_dtype, f"use None or one of {sorted(DTYPES)}")
         if self.loss_scale != "dynamic":
             # inf would overflow every scaled gradient: each fp16 step skipped, silently, forever.
-            _positive_finite("loss_scale", self.loss_scale, 'use "dynamic" or a positive, finite number')
-        if not _is_one_of(self.nonfinite_grads, ("raise", "skip", "proceed")):
-            raise _bad("nonfinite_grads", self.nonfinite_grads, 'use "raise", "skip" or "proceed"')
-        _positive_finite("initial_loss_scale", self.initial_loss_scale, "use a positive, finite number")
-        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
-        _positive_int("bucket_bytes", self.bucket_bytes)
-        _positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
+            check_positive_finite("loss_scale", self.loss_scale, 'use "dynamic" or a positive, finite number')
+        if not is_one_of(self.nonfinite_grads, ("raise", "skip", "proceed")):
+            raise bad_value("nonfinite_grads", self.nonfinite_grads, 'use "raise", "skip" or "proceed"')
+        check_positive_finite("initial_loss_scale", self.initial_loss_scale, "use a positive, finite number")
+        check_positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
+        check_positive_int("bucket_bytes", self.bucket_bytes)
+        check_positive_int("grad_accumulation_steps", self.grad_accumulation_steps)
         if self.replicate_size != "nodes":
-            _positive_int("replicate_size", self.replicate_size)
-        _positive_int("unit_min_params", self.unit_min_params)
-        _positive_finite("collective_timeout_s", self.collective_timeout_s,
+            check_positive_int("replicate_size", self.replicate_size)
+        check_positive_int("unit_min_params", self.unit_min_params)
+        check_positive_finite("collective_timeout_s", self.collective_timeout_s,
                          f"use a positive number of seconds, at most {MAX_TIMEOUT_S:,} (a year)",
                          at_most=MAX_TIMEOUT_S)
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
-            raise _bad("prefetch_units", self.prefetch_units, "use an integer >= 0")
+            raise bad_value("prefetch_units", self.prefetch_units, "use an integer >= 0")
         for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
                      "hpz", "quantize_weights", "compile_units"):
             if not isinstance(getattr(self, name), bool):
-                raise _bad(name, getattr(self, name), "use true or false")
+                raise bad_value(name, getattr(self, name), "use true or false")
         self._check_zeropp()
         self._check_tensor_parallel()
         self._check_expert_parallel()
-        if not _is_one_of(self.offload_optimizer, OFFLOAD_PLACES):
-            raise _bad("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
-        if not _is_one_of(self.offload_params, OFFLOAD_PLACES):
-            raise _bad("offload_params", self.offload_params, f"use one of {list(OFFLOAD_PLACES)}")
+        if not is_one_of(self.offload_optimizer, OFFLOAD_PLACES):
+            raise bad_value("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
+        if not is_one_of(self.offload_params, OFFLOAD_PLACES):
+            raise bad_value("offload_params", self.offload_params, f"use one of {list(OFFLOAD_PLACES)}")
         if self.offload_params != "none" and self.stage != 3:
-            raise _bad("offload_params", self.offload_params, f"only stage 3 keeps parameter shards of its own "
+            raise bad_value("offload_params", self.offload_params, f"only stage 3 keeps parameter shards of its own "
                                                               f"(stage={self.stage}): use stage 3")
         if self.offload_params != "none" and self.offload_optimizer == "none":
-            raise _bad("offload_params", self.offload_params, "the optimizer steps where the shards are: set "
+            raise bad_value("offload_params", self.offload_params, "the optimizer steps where the shards are: set "
                                                               "offload_optimizer to 'host' or 'disk' as well")
         if "disk" in (self.offload_optimizer, self.offload_params) and not isinstance(self.offload_dir,
                                                                                      (str, os.PathLike)):
-            raise _bad("offload_dir", self.offload_dir, 'offload "disk" needs the directory for its '
+            raise bad_value("offload_dir", self.offload_dir, 'offload "disk" needs the directory for its '
                                                         'files: give a path')
         if isinstance(self.offload_dir, os.PathLike):  # kept as text: the Config is saved as JSON
             object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
         if self.offload_optimizer != "none" and self.stage == 0:
-            raise _bad("offload_optimizer", self.offload_optimizer, "stage 0 (DDP) keeps no shard of its own to "
+            raise bad_value("offload_optimizer", self.offload_optimizer, "stage 0 (DDP) keeps no shard of its own to "
                                                                     "offload: use stage 1, 2 or 3")
         self._check_delayed_update()
         units = self.unit_modules
         if isinstance(units, (str, type)):
             units = (units,)
         if not isinstance(units, (list, tuple)) or not all(isinstance(u, (str, type)) for u in units):
-            raise _bad("unit_modules", self.unit_modules, "use a list of nn.Module classes or class names")
+            raise bad_value("unit_modules", self.unit_modules, "use a list of nn.Module classes or class names")
         object.__setattr__(self, "unit_modules", tuple(units))
         self._check_takes_effect()
 
@@ -318,7 +266,7 @@ class Config:
         force. Defaults are never refused, so a saved `to_dict()` (every field, most at their
         defaults) loads again; a checkpoint reads only `mixed_precision` from its own."""
         for name, why, fix in self._without_effect():
-            raise _bad(name, getattr(self, name), f"{why}, so it would have no effect: {fix}, or leave it at "
+            raise bad_value(name, getattr(self, name), f"{why}, so it would have no effect: {fix}, or leave it at "
                                                   f"{_DEFAULTS[name]!r}")
 
     def _without_effect(self):
@@ -355,25 +303,25 @@ class Config:
         if after is None:
             return
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
-            raise _bad("delayed_update_after", after, "use None or a step number >= 0")
+            raise bad_value("delayed_update_after", after, "use None or a step number >= 0")
         if self.offload_optimizer != "host" or self.offload_params != "none":
-            raise _bad("delayed_update_after", after, "the delayed update runs the host optimizer beside the next "
+            raise bad_value("delayed_update_after", after, "the delayed update runs the host optimizer beside the next "
                                                       "step, on its own copy of the gradients: set "
                                                       "offload_optimizer='host' and offload_params='none'")
 
     def _check_tensor_parallel(self) -> None:
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("partition_activations", "activations_on_host"):
             if not isinstance(getattr(self, name), bool):
-                raise _bad(name, getattr(self, name), "use true or false")
+                raise bad_value(name, getattr(self, name), "use true or false")
         if self.tensor_parallel_size == 1:
             if self.partition_activations:
-                raise _bad("partition_activations", True, "it splits checkpoints over the tensor-parallel ranks, "
+                raise bad_value("partition_activations", True, "it splits checkpoints over the tensor-parallel ranks, "
                                                           "and tensor_parallel_size=1 has one: set "
                                                           "tensor_parallel_size, or use activations_on_host alone")
             return
         if self.compile_units:
-            raise _bad("compile_units", True, "the tensor-parallel layers run their collectives inside the forward "
+            raise bad_value("compile_units", True, "the tensor-parallel layers run their collectives inside the forward "
                                               "a compiled unit would trace: use compile_units=False, or "
                                               "tensor_parallel_size=1")
         # Offload, hybrid sharding and qwZ run beside it: a rank's shard of its slice goes to the
@@ -387,10 +335,10 @@ class Config:
                                      f"tensor-parallel ranks, over which ZeRO++'s node axes are not built"}
         for name, off in (("hpz", False), ("quantize_grads", None)):
             if getattr(self, name) != off:
-                raise _bad(name, getattr(self, name), f"{reasons[name]}; use {off!r}, or tensor_parallel_size=1")
+                raise bad_value(name, getattr(self, name), f"{reasons[name]}; use {off!r}, or tensor_parallel_size=1")
 
     def _check_expert_parallel(self) -> None:
-        _positive_int("expert_parallel_size", self.expert_parallel_size)
+        check_positive_int("expert_parallel_size", self.expert_parallel_size)
         if self.expert_parallel_size == 1:
             return
         ep = f"expert_parallel_size={self.expert_parallel_size}"
@@ -418,23 +366,23 @@ class Config:
         for name, allowed, reason in refused:
             value = getattr(self, name)
             if (value != allowed) if name != "stage" else value == allowed:
-                raise _bad(name, value, reason)
+                raise bad_value(name, value, reason)
 
     def _check_zeropp(self) -> None:
-        if self.quantize_grads is not None and not _is_one_of(self.quantize_grads, QUANTIZED_BITS):
-            raise _bad("quantize_grads", self.quantize_grads, f"use None or one of {sorted(QUANTIZED_BITS)}")
-        _positive_int("quantize_block_size", self.quantize_block_size)
+        if self.quantize_grads is not None and not is_one_of(self.quantize_grads, QUANTIZED_BITS):
+            raise bad_value("quantize_grads", self.quantize_grads, f"use None or one of {sorted(QUANTIZED_BITS)}")
+        check_positive_int("quantize_block_size", self.quantize_block_size)
         used = [n for n in ("hpz", "quantize_weights", "quantize_grads") if getattr(self, n) not in (False, None)]
         if used and self.stage != 3:
-            raise _bad(used[0], getattr(self, used[0]), f"ZeRO++ moves stage 3's gathers and reduce-scatters; with "
+            raise bad_value(used[0], getattr(self, used[0]), f"ZeRO++ moves stage 3's gathers and reduce-scatters; with "
                                                         f"stage={self.stage} use stage 3 or leave it off")
         hierarchical = [n for n in ("hpz", "quantize_grads") if getattr(self, n) not in (False, None)]
         if hierarchical and self.replicate_size != 1:
-            raise _bad(hierarchical[0], getattr(self, hierarchical[0]),
+            raise bad_value(hierarchical[0], getattr(self, hierarchical[0]),
                        f"with replicate_size={self.replicate_size!r} (hybrid sharding) the shard axis already stays "
                        f"inside a node: there is no cross-node gather or reduce-scatter to split; use one or the other")
         if self.hpz is True and self.reshard_after_forward is False:
-            raise _bad("hpz", True, "with reshard_after_forward=False backward gathers nothing (the unit stays "
+            raise bad_value("hpz", True, "with reshard_after_forward=False backward gathers nothing (the unit stays "
                                     "gathered), so there is nothing for hpZ to keep inside the node")
 
     # -- derived values -------------------------------------------------------------
@@ -493,12 +441,12 @@ class Config:
     def from_dict(cls, values: Mapping[str, Any]) -> "Config":
         if not isinstance(values, Mapping):
             raise ConfigError(f"Config.from_dict needs a mapping of field names to values, got "
-                              f"{type(values).__name__} {_shown(values)}")
+                              f"{type(values).__name__} {shown(values)}")
         known = {f.name for f in dataclasses.fields(cls)}
         # By text: a YAML mapping's keys may be numbers or null beside the names.
         unknown = sorted(set(values) - known, key=str)
         if unknown:
-            raise ConfigError(f"Config has no field {_shown(unknown[0])}: allowed fields are {sorted(known)}")
+            raise ConfigError(f"Config has no field {shown(unknown[0])}: allowed fields are {sorted(known)}")
         return cls(**dict(values))
 
     @classmethod
@@ -515,7 +463,7 @@ class Config:
             text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not content
         except UnicodeDecodeError as e:
             raise ConfigError(f"Config file {path!r} is not UTF-8 text ({e}): save it as UTF-8 {kind}") from None
-        values = _parse(text, kind, path)
+        values = parse_config_text(text, kind, path)
         try:
             return cls.from_dict({} if values is None else values)
         except ConfigError as e:
@@ -527,11 +475,11 @@ class Config:
         what the training loop applies itself (the clip norm, the optimizer and scheduler the
         file describes, the batch sizes, what each "auto" became). `context`: training_args,
         model, num_training_steps, world_size. Every key is mapped, accepted as having no
-        effect (logged once) or refused by name: integrations/deepspeed.py, docs/deepspeed.md."""
-        # Imported here: the translation builds on this module (and imports torch's optimizers).
-        from .integrations.deepspeed import from_deepspeed
+        effect (logged once) or refused by name: deepspeed_config/, docs/deepspeed.md."""
+        # Imported here: the translation imports torch's optimizers, which a Config never needs.
+        from .deepspeed_config import from_deepspeed
 
-        return from_deepspeed(config, **context)
+        return from_deepspeed(config, make_config=cls, **context)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -539,87 +487,5 @@ class Config:
         return out
 
 
-def _parse(text: str, kind: str, path: str) -> Any:
-    """The content of a Config file: JSON or YAML (safe: plain values only)."""
-    import yaml
-
-    # YAML's composer and json's decoder recurse once per level of nesting, so a deep file
-    # would exhaust Python's stack. A YAML file is measured first; JSON, whose decoder is
-    # fast, only once it has failed.
-    deep = _too_deep(text) if kind == "YAML" else None
-    try:
-        if deep is None:
-            return json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except RecursionError:
-        deep = _too_deep(text) or ""
-    except (ValueError, yaml.YAMLError) as e:  # bad syntax, an int past Python's 4,300 digits
-        message = " ".join(str(e).split())
-        raise ConfigError(f"Config file {path!r} is not valid {kind}: {message[:300]}: fix the file (one mapping "
-                          f"of field names to values)") from None
-    where = f"Config.{deep}: its value" if deep else "its content"
-    raise ConfigError(f"Config file {path!r}: {where} is nested more than {MAX_FILE_DEPTH} levels deep: a field "
-                      f"holds a number, a string, true/false or null, or a list of class names (unit_modules); "
-                      f"fix the file")
-
-
-def _too_deep(text: str) -> Optional[str]:
-    """The top-level field whose value first nests more than MAX_FILE_DEPTH collections ("" if
-    the file is not a mapping), else None. Reads YAML's parse events (JSON is YAML's flow
-    style), which keep a stack of their own rather than Python's, and stops there."""
-    import yaml
-
-    depth, field, at_key, top_is_mapping = 0, "", True, False
-    try:
-        for event in yaml.parse(text):
-            if depth == 1 and isinstance(event, yaml.NodeEvent):  # a key or a value of the top mapping
-                if at_key:
-                    field = event.value if isinstance(event, yaml.ScalarEvent) and top_is_mapping else ""
-                at_key = not at_key
-            if isinstance(event, yaml.CollectionStartEvent):
-                top_is_mapping = top_is_mapping or (depth == 0 and isinstance(event, yaml.MappingStartEvent))
-                depth += 1
-                if depth > MAX_FILE_DEPTH:
-                    return field
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
-    except yaml.YAMLError:  # the syntax error is the full parse's to report
-        return None
-    return None
-
-
 # Every field's default: what _check_takes_effect never refuses.
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _positive_finite(name: str, value: Any, fix: str, at_most: float = math.inf) -> None:
-    """A real number in (0, at_most]: nan, inf and negatives are refused here, by name,
-    rather than failing far from the Config (an OverflowError in a timedelta) or silently."""
-    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= at_most:
-        raise _bad(name, value, fix)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _bad(name, value, "use a positive integer")
-
-
-def torchrun_ranks_per_node(local_world_size: Optional[int], rank: Optional[int], node_rank: Optional[int],
-                            needed_by: str) -> int:
-    """Ranks on each node, as torchrun says: its LOCAL_WORLD_SIZE, checked against RANK and
-    GROUP_RANK (`node_rank`; None where a variable is not set), since a row of the mesh is
-    ranks numbered one after another and torchrun numbers them node by node. Raises
-    ConfigError naming `needed_by` and the fix."""
-    said = {"LOCAL_WORLD_SIZE": local_world_size, "RANK": rank, "GROUP_RANK": node_rank}
-    missing = [k for k, v in said.items() if v is None]
-    if missing:
-        raise ConfigError(f"{needed_by} takes the nodes from torchrun, but {', '.join(missing)} is not set: "
-                          f"launch with torchrun (or zerodp launch)"
-                          + (", or set replicate_size to the number of nodes" if "replicate" in needed_by else ""))
-    if local_world_size < 1 or rank // local_world_size != node_rank:
-        raise ConfigError(f"{needed_by}: rank {rank} is on node {node_rank} with {local_world_size} ranks per node, "
-                          f"so the ranks are not numbered node by node, as torchrun numbers them")
-    return local_world_size

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
-from ..config import DTYPES, Config, ConfigError
-from .deepspeed_optim import build_optimizer, build_scheduler
-from .deepspeed_zero import check_number, refuse_unknown, translate_zero
+from ..config_values import DTYPES, ConfigError
+from .optim import build_optimizer, build_scheduler
+from .zero import check_number, refuse_unknown, translate_zero
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ class Outside:
 
 
 class DeepSpeedTranslation(NamedTuple):
-    config: Config
+    config: Any  # the zerodp.Config
     outside: Outside
 
 
@@ -118,19 +117,22 @@ def load_json(source: Union[str, os.PathLike, Mapping]) -> dict:
     return values
 
 
-def from_deepspeed(source: Union[str, os.PathLike, Mapping], *, training_args=None, model=None,
+def from_deepspeed(source: Union[str, os.PathLike, Mapping], *, make_config: Callable, training_args=None, model=None,
                    num_training_steps: Optional[int] = None, world_size: Optional[int] = None) -> DeepSpeedTranslation:
     """The Config a DeepSpeed JSON config (a dict or a path) describes, and what the training
     loop must do outside it ([Note: every DeepSpeed key accounted for]). `training_args`
     (transformers' TrainingArguments) resolves "auto" as the HF Trainer does, and values that
     contradict it are refused as the Trainer refuses them; `model` gives the hidden size of the
-    three bucket sizes' "auto"; `num_training_steps` the schedulers'."""
-    return _Translator(load_json(source), training_args, model, num_training_steps, world_size).run()
+    three bucket sizes' "auto"; `num_training_steps` the schedulers'. `make_config`: the Config class
+    (`Config.from_deepspeed` passes itself: this module builds on the config's values, not on it)."""
+    return _Translator(load_json(source), training_args, model, num_training_steps, world_size, make_config).run()
 
 
 class _Translator:
-    def __init__(self, ds: dict, args, model, num_training_steps: Optional[int], world_size: Optional[int]):
+    def __init__(self, ds: dict, args, model, num_training_steps: Optional[int], world_size: Optional[int],
+                 make_config: Callable):
         self.ds, self.args, self.model, self.steps = ds, args, model, num_training_steps
+        self.make_config = make_config
         self.world_size = world_size if world_size is not None else getattr(args, "world_size", None)
         self.fields: dict = {}  # Config field -> value
         self.source: dict = {}  # Config field -> the DeepSpeed key it came from
@@ -220,9 +222,9 @@ class _Translator:
         self.report(outside)
         return DeepSpeedTranslation(config, outside)
 
-    def config(self) -> Config:
+    def config(self):
         try:
-            return Config(**self.fields)
+            return self.make_config(**self.fields)
         except ConfigError as e:
             keys = ", ".join(f"{self.source[f]} (Config.{f}={self.fields[f]!r})" for f in self.fields)
             raise ConfigError(f"the DeepSpeed config maps to a Config that is not allowed: {e}. From: {keys}") from None

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..config import ConfigError
+from ..config_values import ConfigError
 
 __all__ = ["DeepSpeedWarmupLR", "build_optimizer", "build_scheduler"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..config import DTYPES, ConfigError
+from ..config_values import DTYPES, ConfigError
 
 __all__ = ["check_number", "refuse_unknown", "translate_zero"]
 

@@ -47,7 +47,7 @@ needed nor started. The Trainer translates it with `Config.from_deepspeed` (the 
 "auto" values from these arguments and the model's hidden size; a value that contradicts the
 arguments refused, as transformers refuses it), builds the optimizer of its `optimizer` block
 over every trainable parameter and the scheduler of its `scheduler` block, as DeepSpeed does
-(integrations/deepspeed.py). A plain transformers TrainingArguments with `deepspeed=` has
+(deepspeed_config/). A plain transformers TrainingArguments with `deepspeed=` has
 started DeepSpeed already and is refused, naming this class.
 """
 from __future__ import annotations
@@ -73,8 +73,7 @@ from ..checkpoint.format import COMPLETE
 from ..checkpoint.tp_pieces import ranks_of
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
-from .deepspeed import from_deepspeed
-from .deepspeed import load_json as load_deepspeed_json
+from ..deepspeed_config import load_json as load_deepspeed_json
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ def _deepspeed_translation(training_args, model, zerodp_config):
     if zerodp_config is not None:
         raise ConfigError("both zerodp_config and TrainingArguments(deepspeed=...): give one of them")
     without_scheduler = {k: v for k, v in load_deepspeed_json(source).items() if k != "scheduler"}
-    return from_deepspeed(without_scheduler, training_args=training_args, model=model)
+    return Config.from_deepspeed(without_scheduler, training_args=training_args, model=model)
 
 
 class ZeroTrainerMixin:
@@ -289,8 +288,8 @@ class ZeroTrainerMixin:
         if block is None:
             return super().create_scheduler(num_training_steps, optimizer)
         # Its "auto" values need the run's length, known only now.
-        outside = from_deepspeed({"scheduler": block}, training_args=self.args,
-                                 num_training_steps=num_training_steps).outside
+        outside = Config.from_deepspeed({"scheduler": block}, training_args=self.args,
+                                        num_training_steps=num_training_steps).outside
         self.lr_scheduler = outside.scheduler(optimizer if optimizer is not None else self.optimizer)
         self._created_lr_scheduler = True
         return self.lr_scheduler
