@@ -283,3 +283,18 @@ def _with_experts(n: int) -> nn.Module:
     return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                             num_local_experts=n, num_experts_per_tok=TOP_K))
+
+
+def modify_case(rank, world_size, stage):
+    """gathered_parameters(modify=True): rank r writes r + 1 everywhere; a bank keeps the value
+    of the first rank that holds its experts (the broadcast runs over its expert-data-parallel
+    ranks), every other parameter rank 0's."""
+    model = build("mixtral")
+    model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps),
+                                   zerodp.Config(stage=stage, expert_parallel_size=2))
+    with zerodp.gathered_parameters(model, modify=True, optimizer=opt):
+        for p in model.parameters():
+            p.data.fill_(rank + 1)
+    with zerodp.gathered_parameters(model):
+        values = {n: sorted(set(p.detach().reshape(-1).tolist())) for n, p in model.named_parameters()}
+    return {"values": values, "banks": sorted(opt.expert_parallel.splits), "ep_rank": opt.comm.topology.ep_rank}

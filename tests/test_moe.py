@@ -189,3 +189,10 @@ def test_estimate_of_an_moe_model_against_the_formula():
     assert step["experts"] == pytest.approx(3 * f * psi / 4) and step["all_to_all"] == 4 * 2 * 64 * 2 * 16
     with pytest.raises(ValueError, match="ep_size=3 must divide"):
         est.moe_state_bytes(psi, n, 3, f, 3)
+
+
+def test_gathered_parameters_modify_writes_a_bank_back_over_its_own_ranks(pool):
+    for r in pool.run(4, cases.modify_case, 3, timeout_s=TIMEOUT_S):
+        for n, v in r["values"].items():
+            # The first rank holding this rank's experts is rank ep_rank (groups of 2 consecutive ranks).
+            assert v == [float(r["ep_rank"] + 1) if n in r["banks"] else 1.0], (n, v)

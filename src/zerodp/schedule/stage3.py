@@ -481,11 +481,12 @@ def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify
         if modify:
             with torch.no_grad():
                 for engine, unit in chosen:
+                    # Over the unit's own ranks: an expert bank's are those that hold its experts.
                     if not unit.empty:
-                        engine.comm.broadcast(unit.full, 0, "init")
+                        unit.comm.broadcast(unit.full, 0, "init")
                         unit.shard.copy_(unit.own_chunk(unit.full))
                     for part in unit.frozen:
-                        engine.comm.broadcast(part.full, 0, "init")
+                        unit.comm.broadcast(part.full, 0, "init")
                         part.write_back()
                 if optimizer is not None:
                     optimizer.refresh_master_from_params()

@@ -72,6 +72,7 @@ class FlatUnit(StagedShard):
         # Sharded over the mesh's shard axis; gradients averaged over every data-parallel rank.
         # `collectives` move exact values (checkpoints, state dicts); `transfer` is what
         # training's gathers and reduce-scatters use (ZeRO++'s quantized ones, or the same).
+        self.comm = comm  # its ranks: the data-parallel ones, or an expert bank's (ExpertShards in shard.py)
         self.collectives = comm.collectives("shard")
         self.transfer = transfer if transfer is not None else self.collectives
         # On one node the node axis is the shard axis: a secondary copy would be the shard again.
