@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .checkpoint.full_state import install_save_pretrained
-from .config import Config, ConfigError
+from .config import Config
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
-from .distributed.agreement import check_ranks_agree, describe, raise_if_any_failed
+from .distributed.agreement import check_ranks_agree, describe
 from .expert_parallel import ExpertParallelModel, apply_expert_parallel, refuse_module_state_dicts
 from .expert_parallel.plan import ep_plan_of
 from .integrations.peft import refuse_in_place_merges
@@ -61,9 +61,9 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
                          f"there is nothing for zerodp to shard or train")
     check_param_dtypes(named, config.precision)
     if config.expert_parallel_size > 1 and has_meta(model):
-        raise ConfigError(f"Config.expert_parallel_size={config.expert_parallel_size}: the model was built on the "
-                          f"meta device (zerodp.init), and its expert banks are split from rank 0's whole values: "
-                          f"build the model on a device")
+        raise ValueError(f"Config.expert_parallel_size={config.expert_parallel_size}: the model was built on the "
+                         f"meta device (zerodp.init), and its expert banks are split from rank 0's whole values: "
+                         f"build the model on a device")
     devices = {p.device for _, p in named}
     if len(devices) != 1:
         raise ValueError(f"trainable parameters lie on several devices {sorted(map(str, devices))}: "
