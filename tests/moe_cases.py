@@ -210,6 +210,7 @@ def save_case(rank, world_size, name, stage, ep_size, path):
     model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps), cfg)
     _train_steps(model, opt, world_size, rank, range(SAVED_STEPS))
     zerodp.save(path, model, opt)
+    zerodp.save_pretrained(model, path + "-hf", opt)  # what from_pretrained reads
     # The whole model, each bank gathered over its expert-parallel group, against the reference.
     full = zerodp.full_state_dict(model, opt)
     ref, _ = train_reference(name, "sgd", SAVER_WORLD, steps=SAVED_STEPS)
@@ -245,6 +246,8 @@ def load_case(rank, world_size, name, stage, ep_size, path):
         want = dict(ref.named_parameters())
         out["consolidated"] = {n: rel(full[n], want[n].detach()) for n in want}
         out["consolidated_shapes"] = all(tuple(full[n].shape) == tuple(want[n].shape) for n in want)
+        pretrained = dict(type(ref).from_pretrained(path + "-hf").named_parameters())
+        out["from_pretrained"] = {n: rel(pretrained[n].detach(), want[n].detach()) for n in want}
     return out
 
 

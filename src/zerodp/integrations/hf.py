@@ -74,6 +74,7 @@ from ..checkpoint.tp_pieces import ranks_of
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
 from ..deepspeed_config import load_json as load_deepspeed_json
+from .rl import install_trl_seams
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +281,7 @@ class ZeroTrainerMixin:
         self.model._is_accelerate_prepared = True
         self.optimizer._is_accelerate_prepared = True
         self.model_wrapped = self.model
+        install_trl_seams(self)  # an online trainer's rollouts and weight sync: integrations/rl.py
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -83,6 +83,9 @@ class _BackwardDone(torch.autograd.Function):
 
 class Stage3Engine(BackwardSchedule):
     """The schedule: when each unit is gathered, freed and reduced."""
+
+    # After a forward without gradients, whether a unit stays gathered ([Note: kept for generation]).
+    keeper: Optional[Callable[[int], bool]] = None
 
     def __init__(self, units: list[FlatUnit], comm: Comm, backward: BackwardPolicy, policy: UnitPolicy,
                  pool: BufferPool, secondary_pool: Optional[BufferPool] = None):
@@ -262,11 +265,12 @@ class Stage3Engine(BackwardSchedule):
                         t.register_hook(eager_hook(self._make_pre_backward(ui)))
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
-            if self.policy.reshard_after_forward or not training:
+            kept = self.keeper if not training and self.keeper is not None else (lambda uj: False)
+            if (self.policy.reshard_after_forward or not training) and not kept(ui):
                 self.units[ui].reshard(keep_secondary=self._forward_trains)  # hpZ: a node piece for backward
             if ui == self.root:
                 # Prefetched units that this forward did not run are freed.
-                for unit in self.units:
+                for unit in [u for uj, u in enumerate(self.units) if not kept(uj)]:
                     if unit.training_state is TrainingState.IDLE and unit.state is not UnitState.SHARDED:
                         unit.reshard()
                     elif not training:
