@@ -79,10 +79,30 @@ def stream_case(rank: int, world_size: int) -> dict:
     out["bf16"] = _consume(zerodp.iter_full_params(model, opt, dtype=torch.bfloat16, buffers=True), bf16, unit)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     out["params_only"] = sorted(n for n, _ in zerodp.iter_full_params(model, opt)) == sorted(params)
+    out["vllm"] = _vllm_seam(model, opt, full)
     model1, opt1 = zerodp.initialize(gpt2(), torch.optim.SGD, zerodp.Config(stage=1), lr=0.1)
     out["stage1"] = _consume(zerodp.iter_full_params(model1, opt1, buffers=True), zerodp.full_state_dict(model1, opt1),
                              unit)
     return out
+
+
+def _vllm_seam(model, opt, full: dict) -> bool:
+    """TRL's vLLM weight sync (`VLLMGeneration._iter_named_params`, every rank iterates it)
+    replaced by zerodp's stream on a trainer zerodp prepares: each parameter once (the tied
+    head under the embedding's name), whole."""
+    import types
+
+    from zerodp.integrations.rl import install_trl_seams
+
+    class VLLMGeneration:  # what TRL's sync calls; vLLM itself is not needed to call it
+        def _iter_named_params(self):
+            raise AssertionError("TRL's own weight iteration ran")
+
+    trainer = types.SimpleNamespace(model=model, optimizer=opt, vllm_generation=VLLMGeneration(), args=None)
+    install_trl_seams(trainer)
+    got = list(trainer.vllm_generation._iter_named_params())
+    return (sorted(n for n, _ in got) == sorted(n for n, _ in model.named_parameters())
+            and all(torch.equal(t, full[n]) for n, t in got))
 
 
 def peft_stream_case(rank: int, world_size: int) -> dict:

@@ -16,7 +16,7 @@ def test_stream_is_full_state_dict_one_unit_at_a_time(pool):
         s = r["stream"]
         # Every name of the state dict (tied weights under both), every value bit for bit.
         assert sorted(s["names"]) == r["full_names"] and s["equal"], (rank, s)
-        assert r["tied_one_tensor"] and r["params_only"], r
+        assert r["tied_one_tensor"] and r["params_only"] and r["vllm"], r
         assert r["bf16"]["equal"] and r["stage1"]["equal"], r
         assert sorted(r["stage1"]["names"]) == r["full_names"], r
         # One all-gather per unit part with a name (here: each unit's trainable part).
