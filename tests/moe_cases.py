@@ -217,7 +217,8 @@ def save_case(rank, world_size, name, stage, ep_size, path):
     whole = {n: rel(full[n], p.detach()) for n, p in ref.named_parameters()}
     shapes = all(tuple(full[n].shape) == tuple(p.shape) for n, p in ref.named_parameters())
     refused = []
-    for call in (lambda: model.state_dict(), lambda: model.load_state_dict(full)):
+    for call in (lambda: model.state_dict(), lambda: model.load_state_dict(full), lambda: opt.state_dict(),
+                 lambda: opt.load_state_dict({})):
         try:
             call()
         except RuntimeError as e:
