@@ -302,3 +302,76 @@ def modify_case(rank, world_size, stage):
     with zerodp.gathered_parameters(model):
         values = {n: sorted(set(p.detach().reshape(-1).tolist())) for n, p in model.named_parameters()}
     return {"values": values, "banks": sorted(opt.expert_parallel.splits), "ep_rank": opt.comm.topology.ep_rank}
+
+
+# -- a model of one's own: its plan, top-1 routing, one rank's experts idle -----------------
+class Bank(nn.Module):
+    """A fused bank of two-layer experts, called as HF's experts modules are."""
+
+    def __init__(self, experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = nn.Parameter(torch.randn(experts, inner, hidden) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, inner) * 0.2)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                y = torch.relu(x[token] @ self.w1[e].t()) @ self.w2[e].t()
+                out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class OwnMoE(nn.Module):
+    """Top-1 routing over 4 experts, of which experts 2 and 3 are never chosen (their router
+    logits masked): under EP=2 the rank holding them receives no token in any layer."""
+
+    expert_parallel_plan = {"moe.*": "ep_dispatch_experts", "moe.*.w1": "grouped_gemm", "moe.*.w2": "grouped_gemm"}
+
+    def __init__(self, hidden: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.routers = nn.ModuleList(nn.Linear(hidden, EXPERTS, bias=False) for _ in range(layers))
+        self.moe = nn.ModuleList(Bank(EXPERTS, hidden, 2 * hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, VOCAB)
+        self.register_buffer("mask", torch.tensor([0.0, 0.0, -1e9, -1e9]))
+
+    def forward(self, ids):
+        x = self.embed(ids).reshape(-1, self.embed.embedding_dim)
+        for router, bank in zip(self.routers, self.moe):
+            probs = torch.softmax(router(x) + self.mask, dim=-1)
+            weight, index = probs.topk(1, dim=-1)
+            x = x + bank(x, index, weight)
+        return nn.functional.cross_entropy(self.head(x), ids.reshape(-1))
+
+
+def own_moe_case(rank, world_size, stage):
+    torch.manual_seed(0)
+    ref = OwnMoE()
+    model = copy.deepcopy(ref)
+    opt_ref = optimizer("sgd", ref.parameters())
+    ref_losses = []
+    for step in range(STEPS):
+        loss = sum(ref(batch(step, r)) for r in range(world_size)) / world_size
+        loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps),
+                                   zerodp.Config(stage=stage, expert_parallel_size=2))
+    losses, received = [], []
+    for step in range(STEPS):
+        loss = model(batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(opt.comm.sum_scalar(loss.detach())) / world_size)
+        # What this rank's experts computed: the rows it sends back.
+        received.append(sum(r.numel for r in opt.comm.ledger.last_step
+                            if r.op == "all_to_all" and r.phase == "forward" and r.label.endswith("outputs")))
+    ep_rank = opt.comm.topology.ep_rank
+    with zerodp.gathered_parameters(model):
+        errors = own_view(model, ref, 2, ep_rank, set(opt.expert_parallel.splits))
+    return {"losses": losses, "ref_losses": ref_losses, "errors": errors, "received": received, "ep_rank": ep_rank}

@@ -197,3 +197,19 @@ def test_gathered_parameters_modify_writes_a_bank_back_over_its_own_ranks(pool):
         for n, v in r["values"].items():
             # The first rank holding this rank's experts is rank ep_rank (groups of 2 consecutive ranks).
             assert v == [float(r["ep_rank"] + 1) if n in r["banks"] else 1.0], (n, v)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_of_ones_own_with_idle_experts(pool, stage):
+    """Its own expert_parallel_plan, top-1 routing, and the rank holding experts 2-3 receives
+    no token: it still runs every exchange (its experts on one zero row), nothing hangs, and
+    training equals the reference's."""
+    for r in pool.run(2, cases.own_moe_case, stage, timeout_s=TIMEOUT_S):
+        if r["ep_rank"] == 1:
+            assert r["received"] == [0] * cases.STEPS, r["received"]
+        else:
+            assert all(n > 0 for n in r["received"]), r["received"]
+        diffs = [abs(a - b) / (1 + abs(b)) for a, b in zip(r["losses"], r["ref_losses"])]
+        assert max(diffs) <= SGD_TOL, (r["losses"], r["ref_losses"])
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= SGD_TOL, (worst, r["errors"][worst])
