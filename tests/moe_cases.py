@@ -375,3 +375,43 @@ def own_moe_case(rank, world_size, stage):
     with zerodp.gathered_parameters(model):
         errors = own_view(model, ref, 2, ep_rank, set(opt.expert_parallel.splits))
     return {"losses": losses, "ref_losses": ref_losses, "errors": errors, "received": received, "ep_rank": ep_rank}
+
+
+# -- the Hugging Face Trainer ---------------------------------------------------------------
+def trainer_case(rank, world_size, root, stage):
+    """zerodp's Trainer with expert_parallel_size=2 against the plain transformers.Trainer
+    under DDP: the same tiny Mixtral, data, SGD and clipping (above the norm); the losses and
+    gradient norms the Trainers log at each step."""
+    import os
+
+    import transformers
+
+    import hf_trainer_cases as hf
+    from zerodp.integrations.hf import Trainer as ZeroTrainer
+
+    hf._distributed_env(rank, world_size)
+    out = {}
+    for key, config in (("ddp", None), ("ep", zerodp.Config(stage=stage, expert_parallel_size=2))):
+        args = hf.arguments(os.path.join(root, f"{key}-{stage}"))
+        data = {"train_dataset": hf.Windows(hf.SAMPLES, seed=1)}
+        model = _trainer_model()
+        trainer = (transformers.Trainer(model=model, args=args, **data) if config is None
+                   else ZeroTrainer(model=model, args=args, zerodp_config=config, **data))
+        trainer.train()
+        out[key] = hf.history(trainer)
+    return out
+
+
+def _trainer_model() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import hf_trainer_cases as hf
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=hf.VOCAB, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                             num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                             max_position_embeddings=64, output_router_logits=True,
+                                             router_aux_loss_coef=AUX))
+    model.config._attn_implementation = "eager"
+    return model

@@ -213,3 +213,18 @@ def test_a_model_of_ones_own_with_idle_experts(pool, stage):
         assert max(diffs) <= SGD_TOL, (r["losses"], r["ref_losses"])
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= SGD_TOL, (worst, r["errors"][worst])
+
+
+@pytest.mark.parametrize("stage", [3])
+def test_the_hugging_face_trainer_with_expert_parallelism(pool, tmp_path, stage):
+    """zerodp's Trainer (accumulation over 2 micro-batches, clipping computed every step) with
+    EP=2 logs DDP's losses and gradient norms (the norm sums every expert element once: each
+    is owned by one rank of one expert-data-parallel group). Bound: the SGD grid's, with the
+    Trainer's lr 0.5 and no momentum in place of 0.05 and 0.9: the same lr / (1 - momentum)."""
+    results = pool.run(2, cases.trainer_case, str(tmp_path), stage, timeout_s=TIMEOUT_S)
+    for r in results:
+        assert r["ep"]["loss"].keys() == r["ddp"]["loss"].keys() and len(r["ddp"]["loss"]) == 3
+        for key in ("loss", "grad_norm"):
+            for step, want in r["ddp"][key].items():
+                got = r["ep"][key][step]
+                assert abs(got - want) / (1 + abs(want)) <= SGD_TOL, (key, step, got, want)
