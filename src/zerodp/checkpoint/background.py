@@ -26,13 +26,14 @@ Invariants:
 - A crash at any point leaves what a synchronous save's crash leaves ([Note: atomic save]):
   the unfinished `.tmp-` directory, which `latest()` skips and the next save removes
   ([Note: stale leftovers] in retention.py), and the previous checkpoint untouched.
-- The thread is a daemon; at a normal exit `wait_for_saves` runs (atexit) so the last save
-  completes. Call `wait_for_saves()` (or the handle's `wait()`) before destroying the
-  process group: the agreement needs it.
+- The thread is a daemon; at exit, and in `zerodp.shutdown_distributed`, `wait_for_saves`
+  runs so the last save completes, then the channels' groups are destroyed and freed
+  (`close_channels`): their gloo workers must end while the interpreter is whole ([Note:
+  exit path] in distributed/comm.py). A script that destroys the process group itself
+  calls `wait_for_saves()` (or the handle's `wait()`) first: the agreement needs it.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -40,15 +41,17 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..distributed.comm import Comm, before_shutdown
+from ..distributed.topology import forget_meshes
 from ..memory.placement import Placement
 from .format import CheckpointError, describe_error
 from .saving import Snapshot, finish, write_status
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncSave", "Staging", "wait_for_saves"]
+__all__ = ["AsyncSave", "Staging", "close_channels", "wait_for_saves"]
 
 
 class Staging:
@@ -224,12 +227,22 @@ def wait_for_saves() -> list[str]:
     return paths
 
 
-before_shutdown(wait_for_saves)  # zerodp.shutdown_distributed commits the save in flight first
+def close_channels() -> None:
+    """Destroy the checkpoint channels' process groups and drop zerodp's references to them
+    (the channels' Comms and the meshes built over them), so that the groups are freed and
+    their gloo workers joined; the saves were waited for. A channel made again later is
+    made anew. See [Note: exit path] in distributed/comm.py."""
+    channels = list(_CHANNELS.values())
+    _CHANNELS.clear()
+    for _, comm in channels:
+        group = comm.topology.data_group
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # already destroyed, with every group (dist.destroy_process_group())
+                pass
+    forget_meshes()  # a mesh over a channel's group holds it
 
 
-@atexit.register
-def _finish_at_exit() -> None:
-    try:
-        wait_for_saves()
-    except Exception as e:  # noqa: BLE001 - at exit there is no one to raise to
-        log.error("%s", e)
+# zerodp.shutdown_distributed, and the exit, commit the save in flight, then close the channels.
+before_shutdown(wait_for_saves, close_channels)

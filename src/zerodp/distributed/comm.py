@@ -4,10 +4,12 @@ is recorded in its ledger (ledger.py).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -225,19 +227,59 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
                                 rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
+    global _joined
+    _joined = True  # zerodp's to leave at exit if the script does not: [Note: exit path]
     log.info("rank %d/%d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
     return dist.get_rank(), dist.get_world_size()
 
 
-# Work that runs collectives of its own and must end before the process group does
-# (registered by higher layers, which distributed/ may not import).
-_BEFORE_SHUTDOWN: list = []
+# [Note: exit path]
+# A gloo process group's worker threads outlive a script that returns without destroying
+# it, and torch destroys a finished collective's work on the worker that ran it. If the
+# work holds tensors Python made (all_gather_object's, the checkpoint channel's agreement),
+# releasing them takes the GIL; a thread that asks for the GIL once the interpreter is
+# finalizing is ended by CPython with pthread_exit, whose unwinding through the work's
+# noexcept destructor calls std::terminate: "terminate called without an active
+# exception", SIGABRT after the script's last line ran (core dump: ~AsyncAllgatherWork ->
+# TensorImpl::decref_pyobject -> gil_scoped_acquire -> take_gil -> PyThread_exit_thread, in
+# ProcessGroupGloo::runLoop, the main thread in Py_FinalizeEx). torch's part (pytorch
+# #190489): it asks for destroy_process_group() before exit. destroy_process_group alone does
+# not stop a gloo group's workers while anything still references the group (only freeing
+# it joins them), so zerodp's exit path, `shutdown_distributed` and, for a script that
+# returns without it, an atexit hook, runs while the interpreter is whole:
+# 1. the work that must end first (`before_shutdown`): the background saves commit, their
+#    agreement being a collective on the checkpoint channel;
+# 2. the groups that work used are destroyed and every reference zerodp holds to them
+#    dropped, so they are freed and their workers joined (torch frees a group with the GIL
+#    released, so a worker waiting for it finishes first);
+# 3. the default group and every group over it, when `init_distributed` joined it; a
+#    script that called init_process_group itself destroys it itself, as torch asks;
+# 4. the GIL is released for a moment (`_GIL_HANDOVER_S`). The groups the model and
+#    optimizer still reference (training's) keep their workers, and the main thread has
+#    held the GIL since the last collective returned, so a worker releasing that
+#    collective's tensors is waiting for it; CPython hands it over only after a 5 ms switch
+#    interval of bytecode, longer than the rest of a script's exit takes. A worker still
+#    waiting when finalization starts is the one killed.
+# At exit there is no barrier: a peer still in a collective would pair it with the wrong
+# call; the process ends either way. tests/test_exit_path.py runs such scripts to their
+# exit.
+_BEFORE_SHUTDOWN: list = []  # (finish, close) pairs, registered by higher layers, which distributed/ may not import
+_joined = False  # whether init_distributed created the default group
+_GIL_HANDOVER_S = 0.05  # step 4: ample for a waiting thread to be scheduled, small beside an exit
 
 
-def before_shutdown(finish) -> None:
-    """Run `finish()` (on every rank) when `shutdown_distributed` waits for the other ranks."""
-    if finish not in _BEFORE_SHUTDOWN:
-        _BEFORE_SHUTDOWN.append(finish)
+def before_shutdown(finish, close=None) -> None:
+    """Run `finish()` (on every rank) when `shutdown_distributed` waits for the other ranks,
+    and at exit; then `close()`, which destroys the process groups of the caller's own, at
+    every shutdown ([Note: exit path])."""
+    if (finish, close) not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append((finish, close))
+
+
+def _close_own_groups() -> None:
+    for _, close in list(_BEFORE_SHUTDOWN):
+        if close is not None:
+            close()
 
 
 def shutdown_distributed(wait: Optional[bool] = None) -> None:
@@ -249,15 +291,41 @@ def shutdown_distributed(wait: Optional[bool] = None) -> None:
     promptly. After an error handled in an `except`, the exception is gone: pass
     `wait=False` there (a barrier cannot be bounded while a peer sits in another
     collective). A no-op in a single process."""
+    global _joined
     if dist.is_available() and dist.is_initialized():
         if wait is None:
             wait = sys.exc_info()[0] is None
         leave_all(raise_on_mismatch=wait)  # a rank waiting in a call this one skipped raises now: [Note: sync points]
         if wait:
-            for finish in list(_BEFORE_SHUTDOWN):  # e.g. an asynchronous checkpoint's commit
+            for finish, _ in list(_BEFORE_SHUTDOWN):  # e.g. an asynchronous checkpoint's commit
                 finish()
             dist.barrier()
         else:
             log.error("rank %d: leaving the process group without waiting for the other ranks", dist.get_rank())
+        _close_own_groups()
         forget_meshes()
         dist.destroy_process_group()
+        _joined = False
+        time.sleep(_GIL_HANDOVER_S)  # [Note: exit path], step 4
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    """[Note: exit path], for a script that returns without `shutdown_distributed`."""
+    used_groups = dist.is_available() and dist.is_initialized()
+    for finish, _ in list(_BEFORE_SHUTDOWN):
+        try:
+            finish()
+        except Exception as e:  # noqa: BLE001 - at exit there is no one to raise to
+            log.error("%s", e)
+    try:
+        _close_own_groups()
+        if _joined and dist.is_available() and dist.is_initialized():
+            log.info("rank %d: leaving the process group at exit (zerodp.shutdown_distributed was not called)",
+                     dist.get_rank())
+            forget_meshes()
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - at exit there is no one to raise to
+        log.error("rank %s: leaving the process group at exit failed: %s", os.environ.get("RANK", "?"), e)
+    if used_groups:
+        time.sleep(_GIL_HANDOVER_S)  # step 4
