@@ -22,7 +22,7 @@ from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe
 from .expert_parallel import ExpertParallelModel, apply_expert_parallel, refuse_module_state_dicts
 from .expert_parallel.plan import ep_plan_of
-from .integrations.peft import refuse_in_place_merges
+from .peft_guard import refuse_in_place_merges
 from .optim import ZeroOptimizer
 from .optim.optimizer import ShardedModel
 from .optim.inner import (OptimizerSpec, build_optimizer, check_elementwise, grouped_params, take_carried_state,
@@ -263,6 +263,6 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     install_ddp_accumulation(model, opt.grad_sync)
     if carried is not None:  # the state the script's own optimizer held, now in the shards
         opt.load_state_dict(carried)
-    refuse_in_place_merges(model, comm.rank)  # [Note: in-place merges refused] in integrations/peft.py
+    refuse_in_place_merges(model, comm.rank)  # [Note: in-place merges refused] in peft_guard.py
     _INITIALIZED.add(model)
     return model, opt
