@@ -124,6 +124,14 @@ def test_four_ranks_two_expert_groups_of_two(pool, stage):
     assert all(r["memory"]["expert_world_size"] == 2 for r in results)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_four_ranks_one_expert_each(pool, stage):
+    """N=4, EP=4: one expert of each bank per rank, nothing to shard it over (N/k = 1)."""
+    results = pool.run(4, cases.parity_case, "qwen3_moe", stage, "sgd", 4, timeout_s=TIMEOUT_S)
+    check(results, "sgd", 4)
+    assert all(r["memory"]["expert_world_size"] == 1 for r in results)
+
+
 def test_refusals_name_the_reason(pool):
     results = pool.run(2, cases.refusal_case, timeout_s=TIMEOUT_S)
     for r in results:
