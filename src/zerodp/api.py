@@ -28,6 +28,7 @@ from .optim.optimizer import ShardedModel
 from .optim.inner import (OptimizerSpec, build_optimizer, check_elementwise, grouped_params, take_carried_state,
                           whole_param_flags)
 from .schedule.base import eager_hook
+from .sequence_parallel import apply_sequence_parallel, check_model as check_sequence_parallel_model
 from .schedule.compile import compile_forwards, drop_training_cache
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
@@ -82,6 +83,8 @@ def _build_and_describe(model: nn.Module, optimizer: OptimizerSpec, config: Conf
         described["tensor-parallel plan (module pattern, style)"] = list(plan_of(model).items())
     if config.expert_parallel_size > 1:  # as above: ranks that split other banks would not pair their exchanges
         described["expert-parallel plan (name pattern, style)"] = list(ep_plan_of(model).items())
+    if config.sequence_parallel_size > 1:  # before any rank installs an attention the others would refuse
+        check_sequence_parallel_model(model, config.sequence_parallel_size)
     described["optimizer state carried in"] = carried is not None  # loading it is collective
     return inner, groups, described, carried
 
@@ -217,6 +220,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         experts = ExpertShards(expert_parallel.param_ids, tuple(expert_parallel.modules.items()),
                                expert_parallel.expert_comm, comm.world_size)
         refuse_module_state_dicts(model, config.expert_parallel_size)  # before the sharding's own hooks
+    sequence_parallel = None
+    if config.sequence_parallel_size > 1:  # [Note: sequence-parallel axis]; docs/long_context.md
+        comm = Comm(topology=comm.topology.with_sequence_parallel(config.sequence_parallel_size), ledger=comm.ledger)
+        sequence_parallel = apply_sequence_parallel(model, comm)
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,
@@ -259,6 +266,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         if config.stage == 3:
             drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
+    opt.sequence_parallel = sequence_parallel  # the input split and the attention it registered
     opt.expert_parallel = expert_parallel  # which parameters are banks, and how split: checkpoint/tp_pieces.py
     install_ddp_accumulation(model, opt.grad_sync)
     if carried is not None:  # the state the script's own optimizer held, now in the shards

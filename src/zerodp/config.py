@@ -13,8 +13,8 @@ from typing import Any, Mapping, Union
 import torch
 
 from .config_values import (DTYPES, MAX_TIMEOUT_S, OFFLOAD_PLACES, QUANTIZED_BITS, ConfigError, bad_value,
-                            check_positive_finite, check_positive_int, is_one_of, parse_config_text, shown,
-                            torchrun_ranks_per_node)
+                            check_positive_finite, check_positive_int, check_sequence_parallel, is_one_of,
+                            parse_config_text, shown, torchrun_ranks_per_node)
 from .policies import (BackwardPolicy, OffloadPolicy, PrecisionPolicy, StepPolicy, TensorParallelPolicy, UnitPolicy,
                        ZeroPPPolicy)
 
@@ -182,6 +182,11 @@ class Config:
     expert_parallel_size ranks that hold the same experts and everything else over all N.
     Must divide the world size and each bank's number of experts; stages 1-3."""
 
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism (docs/long_context.md): groups of this many consecutive ranks
+    each read one batch, split its sequence and run attention on head shards of the whole
+    sequence; ZeRO shards over every rank. Must divide the world size and the heads."""
+
     compile_units: bool = False
     """Compile the model with torch.compile, zerodp's hooks outside the compiled code
     (docs/compile.md): stage 3 compiles each unit's own forward (gathered, freed and reduced
@@ -231,6 +236,7 @@ class Config:
         self._check_zeropp()
         self._check_tensor_parallel()
         self._check_expert_parallel()
+        check_sequence_parallel(self)
         if not is_one_of(self.offload_optimizer, OFFLOAD_PLACES):
             raise bad_value("offload_optimizer", self.offload_optimizer, f"use one of {list(OFFLOAD_PLACES)}")
         if not is_one_of(self.offload_params, OFFLOAD_PLACES):

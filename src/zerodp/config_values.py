@@ -11,8 +11,8 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["ConfigError", "DTYPES", "MAX_FILE_DEPTH", "MAX_TIMEOUT_S", "OFFLOAD_PLACES", "QUANTIZED_BITS",
-           "bad_value", "check_positive_finite", "check_positive_int", "is_number", "is_one_of",
-           "parse_config_text", "shown", "torchrun_ranks_per_node", "too_deep"]
+           "bad_value", "check_positive_finite", "check_positive_int", "check_sequence_parallel", "is_number",
+           "is_one_of", "parse_config_text", "shown", "torchrun_ranks_per_node", "too_deep"]
 
 # Names accepted for a dtype, and the torch dtype each one means.
 DTYPES: dict[str, torch.dtype] = {
@@ -81,6 +81,26 @@ def check_positive_finite(name: str, value: Any, fix: str, at_most: float = math
 def check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise bad_value(name, value, "use a positive integer")
+
+
+def check_sequence_parallel(config: Any) -> None:
+    """Config.sequence_parallel_size, and what does not run beside it yet, each with its
+    reason (docs/long_context.md, "Not built")."""
+    check_positive_int("sequence_parallel_size", config.sequence_parallel_size)
+    if config.sequence_parallel_size == 1:
+        return
+    sp = f"sequence_parallel_size={config.sequence_parallel_size}"
+    refused = [
+        ("tensor_parallel_size", 1, f"tensor and sequence parallelism over the same ranks are not built: use "
+                                    f"tensor_parallel_size=1 with {sp}"),
+        ("expert_parallel_size", 1, f"expert and sequence parallelism over the same ranks are not built: use "
+                                    f"expert_parallel_size=1 with {sp}"),
+        ("compile_units", False, f"the attention's all-to-alls run inside the forward a compiled unit would trace: "
+                                 f"use compile_units=False with {sp}"),
+    ]
+    for name, allowed, reason in refused:
+        if getattr(config, name) != allowed:
+            raise bad_value(name, getattr(config, name), reason)
 
 
 def parse_config_text(text: str, kind: str, path: str) -> Any:

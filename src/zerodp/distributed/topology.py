@@ -15,7 +15,8 @@ ranks of the row on this node, and ``cross_node``, the ranks of the row with thi
 place on the other nodes (one per node). Shard rank r is (node r // n, place r % n) for n
 ranks per node, since torchrun numbers ranks node by node.
 
-Expert parallelism adds ``ep``: [Note: expert-parallel axes].
+Expert parallelism adds ``ep``: [Note: expert-parallel axes]; sequence parallelism ``sp``:
+[Note: sequence-parallel axis].
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from ..config import ConfigError, torchrun_ranks_per_node
 __all__ = ["AXES", "Topology"]
 
 # "data" is the whole data-parallel group: both mesh axes together.
-AXES = ("shard", "replicate", "data", "node", "cross_node", "tp", "ep")
+AXES = ("shard", "replicate", "data", "node", "cross_node", "tp", "ep", "sp")
 
 # Meshes and zerodp's own process groups already built, by what they were built from, with
 # the group they were built over: initialize may run many times in one process, and each
@@ -71,6 +72,10 @@ class Topology:
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: Optional[dist.ProcessGroup] = None
+    # Sequence parallelism inside the data-parallel ranks: see [Note: sequence-parallel axis].
+    sp_size: int = 1
+    sp_rank: int = 0
+    sp_group: Optional[dist.ProcessGroup] = None
 
     @property
     def node_size(self) -> int:
@@ -89,9 +94,10 @@ class Topology:
             return axis == "cross_node" and self.cross_node_size > 1
         if self.tp_size > 1 or axis == "tp":  # nodes are not known over a data-parallel group that skips ranks
             return False
-        if axis == "ep":  # consecutive ranks: inside a node when ep_size divides the ranks per node
-            return node is not None and node < size and (self.rank // self.ep_size * self.ep_size) // node != (
-                (self.rank // self.ep_size + 1) * self.ep_size - 1) // node
+        if axis in ("ep", "sp"):  # consecutive ranks: inside a node when their size divides the ranks per node
+            k = self.ep_size if axis == "ep" else self.sp_size
+            return node is not None and node < size and (self.rank // k * k) // node != (
+                (self.rank // k + 1) * k - 1) // node
         if node is None or node >= size:
             return False
         groups = {"shard": [range(r * shard, (r + 1) * shard) for r in range(self.replicate_size)],
@@ -130,17 +136,18 @@ class Topology:
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         return {"shard": self.shard_group, "replicate": self.replicate_group, "data": self.data_group,
                 "node": self.node_group, "cross_node": self.cross_node_group, "tp": self.tp_group,
-                "ep": self.ep_group}[_axis(axis)]
+                "ep": self.ep_group, "sp": self.sp_group}[_axis(axis)]
 
     def size(self, axis: str) -> int:
         return {"shard": self.shard_size, "replicate": self.replicate_size, "data": self.world_size,
                 "node": self.node_size, "cross_node": self.cross_node_size, "tp": self.tp_size,
-                "ep": self.ep_size}[_axis(axis)]
+                "ep": self.ep_size, "sp": self.sp_size}[_axis(axis)]
 
     def rank_on(self, axis: str) -> int:
         return {"shard": self.shard_rank, "replicate": self.replicate_rank, "data": self.rank,
                 "node": self.shard_rank % self.node_size,
-                "cross_node": self.shard_rank // self.node_size, "tp": self.tp_rank, "ep": self.ep_rank}[_axis(axis)]
+                "cross_node": self.shard_rank // self.node_size, "tp": self.tp_rank, "ep": self.ep_rank,
+                "sp": self.sp_rank}[_axis(axis)]
 
     def tensor_parallel_mesh(self) -> DeviceMesh:
         """Every process as a ("tp", ["replicate",] "shard") mesh: the tensor-parallel axis
@@ -215,6 +222,27 @@ class Topology:
             edp_group = _subgroup(self.data_group, edp_ranks, self.timeout_s)
             experts = dataclasses.replace(Topology.build(edp_group, self.device), timeout_s=self.timeout_s)
         return dataclasses.replace(self, ep_size=ep_size, ep_rank=me % ep_size, ep_group=ep_group), experts
+
+    def with_sequence_parallel(self, sp_size: int) -> "Topology":
+        """[Note: sequence-parallel axis]
+        Sequence parallelism (Ulysses, arXiv 2309.14509) splits each sequence over ``sp``,
+        `sp_size` consecutive data-parallel ranks (inside a node when sp_size divides the
+        ranks per node: the attention's all-to-alls run on it). The ranks of one group read
+        the same batch and hold the same parameters, so ZeRO shards over every rank (sequence
+        x data) as without it, and the data-parallel average over all N ranks is right once
+        each rank's backward starts from sp_size times its shard's part of the loss
+        (sequence_parallel/loss.py). Returns this topology with the ``sp`` axis. Raises
+        ConfigError if sp_size does not divide the ranks."""
+        world = self.world_size
+        if world % sp_size:
+            raise ConfigError(f"Config.sequence_parallel_size={sp_size} does not divide the {world} data-parallel "
+                              f"ranks: use a divisor of {world}")
+        if sp_size == 1:
+            return self
+        ranks = dist.get_process_group_ranks(self.data_group)
+        first = self.rank // sp_size * sp_size
+        sp_group = _subgroup(self.data_group, ranks[first: first + sp_size], self.timeout_s)
+        return dataclasses.replace(self, sp_size=sp_size, sp_rank=self.rank % sp_size, sp_group=sp_group)
 
     @classmethod
     def build_tensor_parallel(cls, tp_size: int, device: Optional[torch.device] = None,

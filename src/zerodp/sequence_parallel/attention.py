@@ -1,0 +1,116 @@
+"""Ulysses attention: sequence shards to head shards before attention, and back after it.
+
+[Note: Ulysses all-to-all]
+Rank r of an ``sp`` group of k holds tokens [r s, (r+1) s) of a sequence of S = k s tokens,
+for every head: q, k, v of shape [B, H, s, D]. One all-to-all over ``sp`` sends head group j
+(heads [j H/k, (j+1) H/k)) of its tokens to rank j, which then holds every token of its H/k
+heads, [B, H/k, S, D], in sequence order (the pieces arrive by sender, and sender i holds
+the i-th slice of the sequence). Attention over the whole sequence runs there unchanged, per
+head; a second all-to-all, the first's reverse, brings each rank its own tokens of every
+head's output. The backward of each exchange is the other one. Per layer a rank sends
+3/k of its q, k, v and 1/k of its output (arXiv 2309.14509, §3.1): the volume per link stays
+constant when the sequence and k grow together.
+
+Grouped-query attention: with Hkv key/value heads and Hkv divisible by k, rank j receives
+kv heads [j Hkv/k, (j+1) Hkv/k), exactly those its query heads [j H/k, (j+1) H/k) read
+(query head h reads kv head h // (H / Hkv)), so the module's num_key_value_groups holds.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..distributed import Comm
+
+__all__ = ["UlyssesAttention", "heads_to_sequence", "sequence_to_heads"]
+
+_LABEL = "ulysses attention"
+
+
+def _exchange(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
+    """All-to-all over ``sp`` of x [k, ...]: row j to rank j, row i of the result from rank i."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    k = x.shape[0]
+    comm.all_to_all(out, x, [1] * k, [1] * k, phase, axis="sp", label=_LABEL, uneven=False)
+    return out
+
+
+def _to_heads(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
+    b, h, s, d = x.shape
+    k = comm.topology.sp_size
+    pieces = x.reshape(b, k, h // k, s, d).transpose(0, 1)  # [k, B, H/k, s, D]: head group j for rank j
+    got = _exchange(pieces, comm, phase)  # [k, B, H/k, s, D]: sequence slice i from rank i
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // k, k * s, d)
+
+
+def _to_sequence(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
+    b, hk, big_s, d = x.shape
+    k = comm.topology.sp_size
+    s = big_s // k
+    pieces = x.reshape(b, hk, k, s, d).permute(2, 0, 1, 3, 4)  # [k, B, H/k, s, D]: sequence slice j for rank j
+    got = _exchange(pieces, comm, phase)  # [k, B, H/k, s, D]: head group i from rank i
+    return got.transpose(0, 1).reshape(b, k * hk, s, d)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm):
+        ctx.comm = comm
+        return _to_heads(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _to_sequence(grad, ctx.comm, "backward"), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm):
+        ctx.comm = comm
+        return _to_sequence(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _to_heads(grad, ctx.comm, "backward"), None
+
+
+def sequence_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """[B, H, s, D] (this rank's tokens, every head) -> [B, H/k, S, D] (every token, this
+    rank's heads): [Note: Ulysses all-to-all]."""
+    return _SequenceToHeads.apply(x, comm)
+
+
+def heads_to_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The reverse of `sequence_to_heads`: [B, H/k, S, D] -> [B, H, s, D]."""
+    return _HeadsToSequence.apply(x, comm)
+
+
+class UlyssesAttention:
+    """A Hugging Face attention function (transformers' AttentionInterface signature) that
+    runs `base` ("sdpa" or "eager") on head shards of the whole sequence. The model's own
+    mask (built for this rank's slice) is not used: the mask of the whole sequence (causal,
+    and the batch's padding from its full `attention_mask`) is built once per forward from
+    what the input split kept (`SequenceInputs`)."""
+
+    def __init__(self, base: str, comm: Comm, inputs):
+        self.base, self.comm, self.inputs = base, comm, inputs
+
+    def _function(self, module):
+        if self.base == "eager":  # each model family has its own, beside its attention module
+            found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if found is None:
+                raise TypeError(f"{type(module).__name__}: its module defines no eager_attention_forward for "
+                                f"sequence parallelism to call; use attn_implementation='sdpa'")
+            return found
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        comm = self.comm
+        q, k, v = (sequence_to_heads(t, comm) for t in (query, key, value))
+        mask = self.inputs.mask(self.base, q.dtype, q.device)
+        out, weights = self._function(module)(module, q, k, v, mask, **kwargs)  # [B, S, H/k, D]
+        out = heads_to_sequence(out.transpose(1, 2), comm).transpose(1, 2)  # [B, s, H, D]
+        return out, weights

@@ -1,0 +1,185 @@
+"""The input split: every rank of an ``sp`` group is given the whole batch, and keeps its slice.
+
+[Note: sequence-parallel inputs]
+The ranks of a group are fed the same full-length `input_ids` (or `inputs_embeds`), `labels`,
+`attention_mask` and `position_ids`, as tensor-parallel ranks are. A forward pre-hook on the
+root model cuts them before the model sees them: rank r keeps tokens [r S/k, (r+1) S/k).
+
+- labels: a causal LM predicts token t+1 at position t, so the labels are shifted on the
+  whole sequence first (`shift_labels`: labels[:, 1:] and an ignored last position) and then
+  cut; the last token of a slice thus predicts the first token of the next slice, as without
+  the split. The model's loss gets `shift_labels` (transformers' causal-LM loss uses them
+  as they are) and `num_items_in_batch`, the whole sequence's count of labelled tokens
+  (the caller's own, when it gives one): [Note: sequence-parallel loss] in loss.py.
+- position_ids: the caller's, cut; else positions 0..S-1 of the whole sequence, cut.
+- attention_mask: a 2-D padding mask is kept whole for the attention (attention.py), and the
+  model gets none (the mask it would build covers its slice only); 4-D masks are refused.
+- a length not divisible by k is refused (pad the batch to a multiple of k).
+
+A forward hook then replaces the output's loss by the whole sequence's. The output's logits
+are this rank's slice of the sequence.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..distributed import Comm
+from .attention import UlyssesAttention
+from .loss import sum_over_sequence
+
+__all__ = ["SequenceInputs", "SequenceParallelModel", "apply_sequence_parallel", "check_model"]
+
+_IGNORE = -100  # transformers' ignore_index
+_BASES = ("sdpa", "eager")
+_NAMES = itertools.count()
+_SPLIT: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class SequenceInputs:
+    """The root model's forward pre-hook and hook: [Note: sequence-parallel inputs]."""
+
+    def __init__(self, comm: Comm, forward):
+        self.comm = comm
+        self.k, self.rank = comm.topology.sp_size, comm.topology.sp_rank
+        self.signature = inspect.signature(forward)
+        self.padding: Optional[torch.Tensor] = None  # [B, S] of the current forward
+        self.length = 0
+        self._masks: dict = {}
+        self.splits = 0  # forwards split
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        s = t.shape[1] // self.k
+        return t[:, self.rank * s: (self.rank + 1) * s].contiguous()
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        bound = self.signature.bind_partial(*args, **kwargs)
+        named = dict(bound.arguments)
+        named.update(named.pop("kwargs", None) or {})
+        tokens = named.get("input_ids")
+        tokens = tokens if tokens is not None else named.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("sequence parallelism splits input_ids or inputs_embeds along the sequence: pass one")
+        batch, length = tokens.shape[0], tokens.shape[1]
+        if length % self.k:
+            raise ValueError(f"a sequence of {length} tokens does not split over sequence_parallel_size={self.k} "
+                             f"ranks: pad the batch to a multiple of {self.k} tokens (labels -100 and "
+                             f"attention_mask 0 on the padding)")
+        mask = named.pop("attention_mask", None)
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"sequence parallelism takes a 2-D attention_mask [batch, tokens]; got {mask.dim()}-D: "
+                             f"pass the padding mask, or position_ids for packed sequences")
+        self.padding = None if mask is None or bool(mask.all()) else mask.to(torch.bool)
+        self.length, self._masks = length, {}
+        for name in ("input_ids", "inputs_embeds"):
+            if named.get(name) is not None:
+                named[name] = self._slice(named[name])
+        positions = named.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, length)
+        named["position_ids"] = self._slice(positions)
+        labels = named.get("labels")
+        shift = named.pop("shift_labels", None)
+        if labels is not None or shift is not None:
+            if shift is None:
+                shift = torch.cat([labels[:, 1:], labels.new_full((batch, 1), _IGNORE)], dim=1)
+            if named.get("num_items_in_batch") is None:
+                named["num_items_in_batch"] = (shift != _IGNORE).sum()
+            named["shift_labels"] = self._slice(shift)
+            named["labels"] = self._slice(labels if labels is not None else shift)
+        self.splits += 1
+        return (), named
+
+    def hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        loss = output.get("loss") if isinstance(output, dict) else None
+        if loss is None:
+            return output
+        output["loss"] = sum_over_sequence(loss, self.comm)
+        return output
+
+    def mask(self, base: str, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """The whole sequence's attention mask for `base`: None for sdpa without padding (its
+        causal kernel), a boolean [B, 1, S, S] (True: attend) for sdpa with padding, an
+        additive one in `dtype` for eager; built once per forward."""
+        key = (base, dtype, device)
+        if key not in self._masks:
+            if base == "sdpa" and self.padding is None:
+                self._masks[key] = None
+            else:
+                n = self.length
+                allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
+                if self.padding is not None:
+                    allowed = allowed & self.padding.to(device)[:, None, None, :]
+                if base == "eager":
+                    low = torch.finfo(dtype).min
+                    allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, low)
+                self._masks[key] = allowed
+        return self._masks[key]
+
+
+@dataclass(frozen=True)
+class SequenceParallelModel:
+    """What `apply_sequence_parallel` did: the input split and the attention function it
+    registered (its name in transformers' registry)."""
+
+    inputs: SequenceInputs
+    attention: str
+
+
+def _check_heads(config, k: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads is None:
+        raise ConfigError(f"Config.sequence_parallel_size={k}: the model's config names no num_attention_heads to "
+                          f"split over the ranks")
+    for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if n % k:
+            raise ConfigError(f"Config.sequence_parallel_size={k}: the model's {n} {what} do not split over {k} "
+                              f"ranks (each rank attends with whole heads): use a sequence_parallel_size that divides "
+                              f"{n}")
+
+
+def check_model(model: nn.Module, k: int) -> None:
+    """Raises ConfigError naming the fix when `model` cannot be split over k ranks: it must
+    be a Hugging Face model whose attention goes through transformers' registry
+    (attn_implementation "sdpa" or "eager"), with heads and key/value heads divisible by k."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "_attn_implementation", None)
+    if model in _SPLIT:
+        raise ConfigError(f"{type(model).__name__} is already split for sequence parallelism")
+    if base not in _BASES:
+        raise ConfigError(f"Config.sequence_parallel_size={k}: {type(model).__name__} is not a Hugging Face model "
+                          f"whose attention goes through transformers' attention registry with attn_implementation "
+                          f"in {_BASES} (it has {base!r}): load it with attn_implementation='sdpa' or 'eager'")
+    _check_heads(config, k)
+
+
+def apply_sequence_parallel(model: nn.Module, comm: Comm) -> SequenceParallelModel:
+    """Install the input split and the Ulysses attention (`check_model` first)."""
+    k = comm.topology.sp_size
+    check_model(model, k)
+    config, base = model.config, model.config._attn_implementation
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    inputs = SequenceInputs(comm, model.forward)
+    name = f"zerodp_ulysses_{base}_{next(_NAMES)}"
+    AttentionInterface.register(name, UlyssesAttention(base, comm, inputs))
+    AttentionMaskInterface.register(name, _no_mask)
+    config._attn_implementation = name
+    model.register_forward_pre_hook(inputs.pre_hook, with_kwargs=True)
+    model.register_forward_hook(inputs.hook, with_kwargs=True)
+    _SPLIT.add(model)
+    return SequenceParallelModel(inputs, name)
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The model's own mask of its slice is not built: the attention builds the whole one."""
+    return None

@@ -1,0 +1,153 @@
+"""Cases for test_sequence_parallel.py: Hugging Face Llama (grouped-query attention) and GPT-2
+from tiny configs, trained with sequence_parallel_size > 1 beside ZeRO, against one process
+training the whole model on the data-parallel global batch (each sequence-parallel group's
+batch, the loss averaged over the groups as DDP averages its ranks'). Every rank of a group
+is given the same full-length batch."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import zerodp
+
+STEPS = 3
+VOCAB, SEQ, ROWS = 64, 16, 2
+SGD = {"lr": 0.05, "momentum": 0.9}
+ADAMW = {"lr": 1e-2}
+LAYERS = 2
+
+
+def llama(attn: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation=attn)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2(attn: str) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64,
+                     attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, attn_implementation=attn)
+    return GPT2LMHeadModel(cfg)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
+def build(name: str, attn: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name](attn)
+    model.config._attn_implementation = attn
+    return model
+
+
+def batch(step: int, group: int, padded: bool = False) -> dict:
+    """One sequence-parallel group's batch; `padded`: the second row's last 5 tokens are
+    padding (attention_mask 0, labels -100)."""
+    g = torch.Generator().manual_seed(1000 * step + group)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, -5:] = 0
+        out["labels"][1, -5:] = -100
+        out["attention_mask"] = mask
+    return out
+
+
+def optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, **SGD)
+    return torch.optim.AdamW(params, **ADAMW)
+
+
+def train_reference(name, attn, opt_name, groups, padded):
+    ref = build(name, attn)
+    opt = optimizer(opt_name, ref.parameters())
+    losses = []
+    for step in range(STEPS):
+        loss = sum(ref(**batch(step, g, padded)).loss for g in range(groups)) / groups
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return ref, losses
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max()) if a.numel() else 0.0
+
+
+def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False):
+    """Train `name` at `stage` with sequence_parallel_size=`sp` for STEPS steps: per step the
+    loss every rank returned and the mean over the groups, at the end every parameter,
+    against the reference; the all-to-alls the ledger counted per step."""
+    groups = world_size // sp
+    ref, ref_losses = train_reference(name, attn, opt_name, groups, padded)
+    model = build(name, attn)
+    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp)
+    model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
+    comm = opt.comm
+    group = rank // sp
+    losses, group_losses, a2a = [], [], []
+    for step in range(STEPS):
+        out = model(**batch(step, group, padded))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        records = comm.ledger.last_step
+        a2a.append([(r.phase, r.axis, r.label, r.numel) for r in records if r.op == "all_to_all"])
+        group_losses.append(float(out.loss.detach()))
+        losses.append(float(comm.sum_scalar(out.loss.detach().reshape(1)).sum()) / world_size)
+    with zerodp.gathered_parameters(model):
+        want = dict(ref.named_parameters())
+        errors = {n: rel(p.detach(), want[n].detach()) for n, p in model.named_parameters()}
+    report = opt.memory_report()
+    return {"rank": rank, "losses": losses, "group_losses": group_losses, "ref_losses": ref_losses,
+            "errors": errors, "a2a": a2a, "sp_rank": comm.topology.sp_rank, "shard_size": comm.shard_size,
+            "params": report.params, "numel": sum(p.numel() for p in ref.parameters())}
+
+
+def refusal_case(rank, world_size):
+    """What sequence parallelism refuses, each message on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"{type(e).__name__}: {e}"
+
+    def odd_heads():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=3, num_key_value_heads=3)
+        zerodp.initialize(LlamaForCausalLM(cfg), torch.optim.SGD, zerodp.Config(sequence_parallel_size=2), lr=0.1)
+
+    def odd_kv_heads():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=1)
+        zerodp.initialize(LlamaForCausalLM(cfg), torch.optim.SGD, zerodp.Config(sequence_parallel_size=2), lr=0.1)
+
+    def not_hf():
+        zerodp.initialize(nn.Sequential(nn.Linear(4, 4)), torch.optim.SGD, zerodp.Config(sequence_parallel_size=2),
+                          lr=0.1)
+
+    def odd_length():
+        model, _ = zerodp.initialize(build("llama", "sdpa"), torch.optim.SGD,
+                                     zerodp.Config(sequence_parallel_size=2), lr=0.1)
+        ids = torch.zeros(1, SEQ - 1, dtype=torch.long)
+        model(input_ids=ids, labels=ids)
+
+    attempt("heads", odd_heads)
+    attempt("kv_heads", odd_kv_heads)
+    attempt("not_hf", not_hf)
+    attempt("length", odd_length)
+    return out

@@ -1,0 +1,102 @@
+"""Sequence parallelism (Ulysses) beside ZeRO (cases: sequence_parallel_cases.py): Hugging Face
+Llama (grouped-query attention) and GPT-2, sdpa and eager, trained with sequence_parallel_size=2
+at stages 1 and 3 equal one process training the whole model on the data-parallel global
+batch, per step; the ledger counts the all-to-alls; the refusals name their fix."""
+import pytest
+
+import sequence_parallel_cases as cases
+import zerodp
+from tolerances import U32, adamw_tol
+
+TIMEOUT_S = 240
+
+# Bounds, derived (tolerances.py's method). Errors are |a-b| / (1 + |b|) per element.
+#
+# SGD (the scale-sensitive check): both runs compute every head's attention over the whole
+# sequence with the same ops (the head shards only change how many heads one kernel call
+# batches); what differs is the order of the sums: a weight's gradient sums the tokens of the
+# k sequence slices in the reduction across ranks instead of inside one matmul, the groups'
+# gradients likewise, and the loss is the sum of the k slices' sums. Each gradient element
+# moves by at most K u sum|terms| with K = ROWS x SEQ x groups = 64 terms at N=4 and u = U32;
+# sum|terms| <= GRAD_BOUND = 1.0 (the per-element gradient of these tiny models at init is
+# below 0.3: losses ~log(64) = 4.2, weights of std 0.02). An update moves by lr times that,
+# momentum by at most 1/(1 - 0.9) more, over STEPS = 3 steps: 3 x 0.05 x 10 x 64 x 6e-8 =
+# 5.7e-6; x16 for the feedback through later gradients and other CPUs (as tolerances.FP32_TOL):
+# 9.2e-5. A gradient scaled wrong (averaged over the sequence ranks instead of summed: 1/k)
+# moves the first update by lr |g| / 2 ~ 1e-3 on the largest elements, 10x above; a slice's
+# labels shifted wrong, or attention that misses another slice's keys, moves the loss by O(1e-2).
+GRAD_BOUND, K_TERMS = 1.0, 2 * cases.ROWS * cases.SEQ
+SGD_TOL = 16 * cases.STEPS * cases.SGD["lr"] / (1 - cases.SGD["momentum"]) * K_TERMS * U32 * GRAD_BOUND
+# AdamW: 2 lr per step (tolerances.adamw_tol): weak by design; SGD is the strict check.
+TOL = {"sgd": SGD_TOL, "adamw": adamw_tol(cases.ADAMW["lr"], cases.STEPS)}
+
+
+def check(results, opt, sp, world_size):
+    tol = TOL[opt]
+    groups = world_size // sp
+    for r in results:
+        diffs = [abs(a - b) / (1 + abs(b)) for a, b in zip(r["losses"], r["ref_losses"])]
+        assert max(diffs) <= tol, (r["rank"], opt, r["losses"], r["ref_losses"])
+        if groups == 1:  # the loss each rank returned is the whole sequence's
+            assert max(abs(a - b) / (1 + abs(b)) for a, b in zip(r["group_losses"], r["ref_losses"])) <= tol
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= tol, (r["rank"], opt, worst, r["errors"][worst])
+        assert r["sp_rank"] == r["rank"] % sp
+        assert r["shard_size"] == world_size  # ZeRO shards over every rank: sequence x data
+        for step in r["a2a"]:
+            # Per layer: q, k, v to head shards and the output back in forward; the reverses in backward.
+            assert len(step) == 8 * cases.LAYERS, step
+            assert all(axis == "sp" and label == "ulysses attention" for _, axis, label, _ in step), step
+            assert sum(phase == "forward" for phase, _, _, _ in step) == 4 * cases.LAYERS
+            # Each forward exchange sends this rank's whole slice of q, k, v or the output:
+            # [ROWS, heads, SEQ/k, head_dim]; 32 = heads x head_dim of both models, 16 that of
+            # Llama's two kv heads.
+            kv = 16 if r["name"] == "llama" else 32
+            per_layer = [32, kv, kv, 32]
+            want = sorted(cases.ROWS * cases.SEQ // sp * n for n in per_layer * cases.LAYERS)
+            assert sorted(numel for phase, _, _, numel in step if phase == "forward") == want, step
+
+
+GRID = [("llama", 1, "sgd", "sdpa"), ("llama", 3, "adamw", "eager"), ("llama", 3, "sgd", "sdpa"),
+        ("gpt2", 1, "adamw", "sdpa"), ("gpt2", 3, "sgd", "eager")]
+
+
+@pytest.mark.parametrize("name,stage,opt,attn", GRID)
+def test_two_ranks_one_sequence_parallel_group(pool, name, stage, opt, attn):
+    results = pool.run(2, cases.parity_case, name, stage, opt, 2, attn, timeout_s=TIMEOUT_S)
+    check([{**r, "name": name} for r in results], opt, 2, 2)
+
+
+@pytest.mark.parametrize("stage,attn", [(1, "eager"), (3, "sdpa")])
+def test_a_padded_batch(pool, stage, attn):
+    """The second row's last 5 tokens are padding (attention_mask 0, labels -100): the whole
+    sequence's mask reaches every head shard and the token counts make the same loss."""
+    results = pool.run(2, cases.parity_case, "llama", stage, "sgd", 2, attn, True, timeout_s=TIMEOUT_S)
+    check([{**r, "name": "llama"} for r in results], "sgd", 2, 2)
+
+
+def test_four_ranks_two_groups_of_two(pool):
+    """N=4: SP=2 x DP=2 at stage 3, a padded batch; each group reads its own batch, the
+    gradients are averaged over the two groups."""
+    results = pool.run(4, cases.parity_case, "llama", 3, "sgd", 2, "sdpa", True, timeout_s=TIMEOUT_S)
+    check([{**r, "name": "llama"} for r in results], "sgd", 2, 4)
+
+
+def test_refusals_name_the_fix(pool):
+    for r in pool.run(2, cases.refusal_case, timeout_s=TIMEOUT_S):
+        assert "3 attention heads do not split over 2" in r["heads"], r
+        assert "1 key/value heads do not split over 2" in r["kv_heads"], r
+        assert "transformers' attention registry" in r["not_hf"], r
+        assert "pad the batch to a multiple of 2" in r["length"], r
+
+
+@pytest.mark.parametrize("fields,name,words", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size", "tensor and sequence parallelism"),
+    ({"expert_parallel_size": 2}, "expert_parallel_size", "expert and sequence parallelism"),
+    ({"compile_units": True}, "compile_units", "compiled unit"),
+    ({"sequence_parallel_size": 0}, "sequence_parallel_size", "positive integer"),
+])
+def test_what_does_not_compose_is_refused_at_construction(fields, name, words):
+    with pytest.raises(zerodp.ConfigError, match=words) as e:
+        zerodp.Config(**{"sequence_parallel_size": 2, **fields})
+    assert name in str(e.value)
