@@ -81,13 +81,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max()) if a.numel() else 0.0
 
 
-def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False):
+def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False):
     """Train `name` at `stage` with sequence_parallel_size=`sp` for STEPS steps: per step the
     loss every rank returned and the mean over the groups, at the end every parameter,
     against the reference; the all-to-alls the ledger counted per step."""
     groups = world_size // sp
     ref, ref_losses = train_reference(name, attn, opt_name, groups, padded)
     model = build(name, attn)
+    if checkpointing:  # Hugging Face's: each layer's forward, all-to-alls included, runs again in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp)
     model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
     comm = opt.comm
@@ -106,7 +108,7 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
         want = dict(ref.named_parameters())
         errors = {n: rel(p.detach(), want[n].detach()) for n, p in model.named_parameters()}
     report = opt.memory_report()
-    return {"rank": rank, "losses": losses, "group_losses": group_losses, "ref_losses": ref_losses,
+    return {"rank": rank, "checkpointing": checkpointing, "losses": losses, "group_losses": group_losses, "ref_losses": ref_losses,
             "errors": errors, "a2a": a2a, "sp_rank": comm.topology.sp_rank, "shard_size": comm.shard_size,
             "params": report.params, "numel": sum(p.numel() for p in ref.parameters())}
 
