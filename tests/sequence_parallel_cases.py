@@ -81,7 +81,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max()) if a.numel() else 0.0
 
 
-def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False):
+def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False,
+                tiled=False):
     """Train `name` at `stage` with sequence_parallel_size=`sp` for STEPS steps: per step the
     loss every rank returned and the mean over the groups, at the end every parameter,
     against the reference; the all-to-alls the ledger counted per step."""
@@ -90,7 +91,7 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
     model = build(name, attn)
     if checkpointing:  # Hugging Face's: each layer's forward, all-to-alls included, runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp)
+    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, tiled_loss=tiled)
     model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
     comm = opt.comm
     group = rank // sp
@@ -103,6 +104,7 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
         records = comm.ledger.last_step
         a2a.append([(r.phase, r.axis, r.label, r.numel) for r in records if r.op == "all_to_all"])
         group_losses.append(float(out.loss.detach()))
+        assert (out.logits is None) == tiled
         losses.append(float(comm.sum_scalar(out.loss.detach().reshape(1)).sum()) / world_size)
     with zerodp.gathered_parameters(model):
         want = dict(ref.named_parameters())
@@ -153,3 +155,29 @@ def refusal_case(rank, world_size):
     attempt("not_hf", not_hf)
     attempt("length", odd_length)
     return out
+
+
+def tiled_memory_case(rank, world_size, stage, tiled, vocab=4096, seq=256):
+    """Peak tensor memory a training step's forward and backward add, with and without the
+    tiled loss, on a Llama whose vocabulary is 128x its hidden size (the logits dominate);
+    and the loss and gradients, for the comparison."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerodp.memory.allocations import TensorAllocations
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    model, opt = zerodp.initialize(LlamaForCausalLM(cfg), torch.optim.SGD,
+                                   zerodp.Config(stage=stage, tiled_loss=tiled), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (1, seq), generator=g)
+    with TensorAllocations() as added:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    opt.step()
+    with zerodp.gathered_parameters(model):
+        after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"peak": added.peak_nbytes, "loss": float(out.loss.detach()), "logits_nbytes": seq * vocab * 4,
+            "params": after}

@@ -28,7 +28,7 @@ from .optim.optimizer import ShardedModel
 from .optim.inner import (OptimizerSpec, build_optimizer, check_elementwise, grouped_params, take_carried_state,
                           whole_param_flags)
 from .schedule.base import eager_hook
-from .sequence_parallel import apply_sequence_parallel, check_model as check_sequence_parallel_model
+from .sequence_parallel import apply_sequence_parallel, apply_tiled_loss, check_model as check_sequence_parallel_model
 from .schedule.compile import compile_forwards, drop_training_cache
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
@@ -224,6 +224,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
     if config.sequence_parallel_size > 1:  # [Note: sequence-parallel axis]; docs/long_context.md
         comm = Comm(topology=comm.topology.with_sequence_parallel(config.sequence_parallel_size), ledger=comm.ledger)
         sequence_parallel = apply_sequence_parallel(model, comm)
+    if config.tiled_loss:  # after the sequence split, whose labels it reads: [Note: tiled logits and loss]
+        apply_tiled_loss(model)
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,

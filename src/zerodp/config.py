@@ -183,9 +183,12 @@ class Config:
     Must divide the world size and each bank's number of experts; stages 1-3."""
 
     sequence_parallel_size: int = 1
-    """Ulysses sequence parallelism (docs/long_context.md): groups of this many consecutive ranks
-    each read one batch, split its sequence and run attention on head shards of the whole
-    sequence; ZeRO shards over every rank. Must divide the world size and the heads."""
+    """Ulysses sequence parallelism (docs/long_context.md): groups of this many consecutive ranks each read one
+    batch and split its sequence, attention on head shards; ZeRO shards over all. Divides the world and heads."""
+
+    tiled_loss: bool = False
+    """A Hugging Face causal LM's logits and loss computed in sequence tiles, each recomputed in backward: no
+    [tokens, vocab] logits at once ([Note: tiled logits and loss]); the output's logits are then None."""
 
     compile_units: bool = False
     """Compile the model with torch.compile, zerodp's hooks outside the compiled code
@@ -230,7 +233,7 @@ class Config:
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise bad_value("prefetch_units", self.prefetch_units, "use an integer >= 0")
         for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
-                     "hpz", "quantize_weights", "compile_units"):
+                     "hpz", "quantize_weights", "compile_units", "tiled_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_value(name, getattr(self, name), "use true or false")
         self._check_zeropp()

@@ -84,9 +84,16 @@ def check_positive_int(name: str, value: Any) -> None:
 
 
 def check_sequence_parallel(config: Any) -> None:
-    """Config.sequence_parallel_size, and what does not run beside it yet, each with its
-    reason (docs/long_context.md, "Not built")."""
+    """Config.sequence_parallel_size and tiled_loss, and what does not run beside them yet,
+    each with its reason (docs/long_context.md, "Not built")."""
     check_positive_int("sequence_parallel_size", config.sequence_parallel_size)
+    if config.tiled_loss is True:
+        for name, allowed, reason in (("tensor_parallel_size", 1, "the tensor-parallel head splits the vocabulary "
+                                       "and computes its own loss"),
+                                      ("compile_units", False, "the tiles' checkpoints run inside the forward a "
+                                       "compiled unit would trace")):
+            if getattr(config, name) != allowed:
+                raise bad_value(name, getattr(config, name), f"{reason}: use {name}={allowed!r} with tiled_loss")
     if config.sequence_parallel_size == 1:
         return
     sp = f"sequence_parallel_size={config.sequence_parallel_size}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from .attention import heads_to_sequence, sequence_to_heads
 from .inputs import SequenceParallelModel, apply_sequence_parallel, check_model
 from .loss import sum_over_sequence
+from .tiled_loss import apply_tiled_loss, tiled_cross_entropy
 
-__all__ = ["SequenceParallelModel", "apply_sequence_parallel", "check_model", "heads_to_sequence", "sequence_to_heads",
-           "sum_over_sequence"]
+__all__ = ["SequenceParallelModel", "apply_sequence_parallel", "apply_tiled_loss", "check_model", "heads_to_sequence",
+           "sequence_to_heads", "sum_over_sequence", "tiled_cross_entropy"]
