@@ -150,6 +150,16 @@ def refusal_case(rank, world_size):
         ids = torch.zeros(1, SEQ - 1, dtype=torch.long)
         model(input_ids=ids, labels=ids)
 
+    def sliding_window():
+        from transformers import MistralConfig, MistralForCausalLM
+
+        torch.manual_seed(0)
+        cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                            attn_implementation="sdpa")
+        zerodp.initialize(MistralForCausalLM(cfg), torch.optim.SGD, zerodp.Config(sequence_parallel_size=2), lr=0.1)
+
+    attempt("window", sliding_window)
     attempt("heads", odd_heads)
     attempt("kv_heads", odd_kv_heads)
     attempt("not_hf", not_hf)

@@ -97,6 +97,7 @@ def test_refusals_name_the_fix(pool):
         assert "1 key/value heads do not split over 2" in r["kv_heads"], r
         assert "transformers' attention registry" in r["not_hf"], r
         assert "pad the batch to a multiple of 2" in r["length"], r
+        assert "sliding window of 8 tokens" in r["window"], r
 
 
 @pytest.mark.parametrize("fields,name,words", [

@@ -15,6 +15,7 @@ root model cuts them before the model sees them: rank r keeps tokens [r S/k, (r+
 - attention_mask: a 2-D padding mask is kept whole for the attention (attention.py), and the
   model gets none (the mask it would build covers its slice only); 4-D masks are refused.
 - a length not divisible by k is refused (pad the batch to a multiple of k).
+- use_cache is turned off: a cache would hold this rank's slice's keys only.
 
 A forward hook then replaces the output's loss by the whole sequence's. The output's logits
 are this rank's slice of the sequence.
@@ -94,6 +95,8 @@ class SequenceInputs:
                 named["num_items_in_batch"] = (shift != _IGNORE).sum()
             named["shift_labels"] = self._slice(shift)
             named["labels"] = self._slice(labels if labels is not None else shift)
+        if "use_cache" in self.signature.parameters:  # a cache would hold this rank's slice's keys only
+            named["use_cache"] = False
         self.splits += 1
         return (), named
 
@@ -159,6 +162,11 @@ def check_model(model: nn.Module, k: int) -> None:
                           f"whose attention goes through transformers' attention registry with attn_implementation "
                           f"in {_BASES} (it has {base!r}): load it with attn_implementation='sdpa' or 'eager'")
     _check_heads(config, k)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        raise ConfigError(f"Config.sequence_parallel_size={k}: {type(model).__name__} attends within a sliding "
+                          f"window of {window} tokens, and the whole sequence's mask built here is causal only: "
+                          f"use sequence_parallel_size=1 for it")
 
 
 def apply_sequence_parallel(model: nn.Module, comm: Comm) -> SequenceParallelModel:
