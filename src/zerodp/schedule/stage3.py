@@ -8,10 +8,10 @@ Forward: a unit's pre-hook gathers its parameters (and prefetches the next
 them (`reshard_after_forward`) and registers a hook on its outputs' gradients.
 Backward: that gradient hook fires before any of the unit's backward ops run, and
 gathers the unit again (prefetching the next units of the recorded backward order).
-When every trainable parameter of a unit has its gradient accumulated
-(`register_post_accumulate_grad_hook`), the gradients move into a flat buffer, the
-parameters are freed, and the buffer is reduce-scattered into the unit's gradient shard
-(every micro-batch, or only at the accumulation boundary with reduce_each_micro_batch=False).
+When the unit's backward is over ([Note: unit done]), the gradients move into a flat
+buffer, the parameters are freed, and the buffer is reduce-scattered into the unit's
+gradient shard (every micro-batch, or only at the accumulation boundary with
+reduce_each_micro_batch=False).
 A unit's place in the step is its `TrainingState` (IDLE, FORWARD, PRE_BACKWARD,
 POST_BACKWARD), moved by these hooks. Reduce-scatters go through the schedule's
 `ReduceQueue` (schedule/base.py), launched strictly in one order so that every rank issues
@@ -22,16 +22,58 @@ callback ([Note: end of backward] in schedule/base.py), with zero gradients for 
 used. A unit's reduction overwrites its gradient shard only when that holds nothing to keep
 (`FlatUnit.grad_fresh`): otherwise it adds, within a window and across steps whose
 gradients the loop did not clear ([Note: gradient clearing] in schedule/base.py).
+
+[Note: unit done]
+Every rank must issue the same collectives in the same order whatever parameters its data
+reached (DDP's find_unused_parameters rule: a parameter no op of this rank's backward
+reached contributes zero here). So a unit's backward is over at an event every rank sees
+at the same place of its backward, not when each of its parameters got a gradient: a
+branch taken on one rank only (an expert no token reached) would leave the unit waiting
+there for a gradient that never comes, while the other ranks reduce it and go on. The
+event is the gradient of the unit's inputs: every input of a call passes through
+`_BackwardDone`, whose backward runs once every op of the call that reads them has run its
+own. autograd runs the ready node created last first (a node's sequence number), and every
+node of the call was created after `_BackwardDone`'s, so by then each of them has run, and
+with them each parameter's gradient accumulation (those run first of all): a parameter
+that has none by then was not reached on this rank, and its gradient is zero. A parameter
+the pass will still reach (`_will_engine_execute_node`: a double backward through a
+gradient penalty uses the weights again) is waited for. A unit called with inputs that need
+no gradient (token ids; the root) has no such event and is done when the backward ends, as
+is every unit in a pass that reaches no parameter (torch.autograd.grad with respect to the
+inputs).
+
+[Note: units run on some ranks]
+A unit whose forward runs on some ranks only (an expert that is a unit of its own, which no
+token reached on this rank) would be gathered, backpropagated and reduced there only. So:
+- a training forward gathers the units in one order on every rank (registration order until
+  the first backward, then the order the forwards ran them in): a rank that reaches a unit
+  past units it did not run gathers those first, in that order, and frees them at once, and
+  the root's end passes any left; a unit run again (a block called twice) is gathered as it
+  comes, as on every rank. Each rank thus issues the forward's gathers the others issue.
+- the first hook of each backward pass gathers from every rank which units it ran (one
+  small all-gather). A unit run on some ranks only is then gathered on every rank (freed at
+  once where it did not run), and reduced when the backward ends, after the other units, on
+  every rank (zeros where it did not run); its own backward issues no collective. So the
+  ranks' sequences stay alike whatever each one's data reached.
+Cost: the all-gather, once per backward; a unit run on some ranks only stays gathered from
+the start of backward to its own backward, and its gradient from then to the end of
+backward; a unit no rank ran in a training forward is gathered there all the same. The
+order is that of first calls: a rank that skips a unit and then calls an earlier one again
+(a block called twice) is elsewhere in it than a rank that ran the unit, and so are ranks
+that run units in an order of their data's choosing; those still part ways (Config.debug
+names where).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from ..policies import BackwardPolicy, UnitPolicy
 from ..distributed import Comm
@@ -54,8 +96,8 @@ class _UnitView:
 
 
 class _WatchedCall:
-    """One call of a unit with frozen parameters whose inputs pass through `_BackwardDone`:
-    `settled` once the current backward reached its inputs (or its graph was freed)."""
+    """One call of a unit whose inputs pass through `_BackwardDone`: `settled` once the
+    current backward reached its inputs (or its graph was freed)."""
 
     __slots__ = ("unit", "settled")
 
@@ -65,8 +107,8 @@ class _WatchedCall:
 
 class _BackwardDone(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once their gradients are complete,
-    i.e. once every op of the unit that reads them, and so its frozen weights, has run its
-    backward ([Note: frozen parameters] in sharding/frozen.py)."""
+    i.e. once every op of the unit that reads them, and so every use of its weights, has run
+    its backward ([Note: unit done]; [Note: frozen parameters] in sharding/frozen.py)."""
 
     @staticmethod
     def forward(ctx, done, *tensors):
@@ -100,8 +142,20 @@ class Stage3Engine(BackwardSchedule):
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
         self._recording = True  # the first step: the orders above are recorded, nothing prefetched
-        self._pending = [0] * len(units)  # per unit: parameters whose gradient is not in yet
         self._calls: list[set] = [set() for _ in units]  # per unit: its watched calls whose graph is alive
+        # [Note: units run on some ranks]: the order training forwards gather units in (the
+        # root apart), where each unit is in it, and how far the current forward got.
+        self._catchup = list(range(self.root))
+        self._position = {u: i for i, u in enumerate(self._catchup)}
+        self._catchup_final = False  # the order is the forwards' own, no longer registration order
+        self._cursor = 0
+        self._ran = [False] * len(units)  # per unit: ran in a training forward since the last backward
+        self._ran_stale = False  # a backward ended: the next training forward starts the count over
+        self._mixed: list[int] = []  # units this pass's forwards ran on some ranks only
+        self._queue_order: Optional[list[int]] = None  # the reduce order, while `_mixed` reduce last
+        # Per unit: a training call since the last backward ended had inputs that need no gradient,
+        # so nothing tells when its backward is over ([Note: unit done]).
+        self._blind = [False] * len(units)
         self._live: set = set()  # units gathered since they were last seen freed
         # Reduce order: children finish backward before the units registered before them,
         # until the first reducing backward has shown the real order (`adopt_recorded_order`).
@@ -116,7 +170,7 @@ class Stage3Engine(BackwardSchedule):
             unit.module.register_forward_hook(eager_hook(self._make_post_forward(ui)), always_call=True)
             for p, name in zip(unit.params, unit.names):
                 p.register_post_accumulate_grad_hook(eager_hook(self._make_grad_hook(ui, name)))
-            if unit.frozen:
+            if unit.params or unit.frozen:
                 unit.module.register_forward_pre_hook(eager_hook(self._make_input_watch(ui)), with_kwargs=True)
         self._guard_sharded_use(units[-1].module)
         self._owner = [(u, i) for u in units for i in range(len(u.params))]
@@ -156,10 +210,9 @@ class Stage3Engine(BackwardSchedule):
 
     # -- helpers -----------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
-        self._pending = [len(u.params) for u in self.units]
-        # Units holding frozen parameters: calls whose inputs' gradients are not in yet, and
-        # calls run without gradients inside a training forward (reentrant checkpointing),
-        # whose recomputation in backward is watched instead.
+        # Per unit ([Note: unit done]): calls whose inputs' gradients are not in yet, and calls
+        # run without gradients inside a training forward (reentrant checkpointing), whose
+        # recomputation in backward is watched instead.
         # Watched calls whose backward has not reached their inputs yet: a forward's calls not
         # yet backpropagated, or never to be while its loss is kept (it then keeps its units
         # gathered through this backward); a call whose graph is freed is dropped
@@ -170,6 +223,7 @@ class Stage3Engine(BackwardSchedule):
         self._inputs_pending = [len(calls) for calls in self._calls]
         self._watched = [bool(calls) for calls in self._calls]  # a call's inputs needed gradients
         self._deferred = [0] * len(self.units)
+        self._accumulating = (None, False)  # (graph task, whether it accumulates any parameter's gradient)
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
         self.queue.rewind()
@@ -204,7 +258,8 @@ class Stage3Engine(BackwardSchedule):
         if self._recording or ui not in order:
             return
         at = order.index(ui)
-        ahead = order[at + 1: at + 2 + self.policy.prefetch_units]
+        # A held unit is gathered by every rank at the start of backward ([Note: units run on some ranks]).
+        ahead = [u for u in order[at + 1:] if not self.units[u].held][:self.policy.prefetch_units + 1]
         for nxt in ahead[:self.policy.prefetch_units]:
             self._gather(nxt, phase, async_op=True)
         for nxt in ahead[self.policy.prefetch_units:]:  # the one after: its shard read from disk meanwhile
@@ -237,13 +292,15 @@ class Stage3Engine(BackwardSchedule):
                     unit.state is UnitState.SHARDED and (not unit.empty or unit.frozen):  # an evaluation must gather
                 self._eval_met = True
                 self.comm.sync_points.call(EVAL_FORWARD, "at stage 3 (each unit is all-gathered from every rank)")
+            if not in_backward and (torch.is_grad_enabled() or self._forward_trains):
+                self._visit(ui)
             phase = "backward" if in_backward else "forward"
             self._gather(ui, phase, async_op=False)
             unit.wait()
             if not in_backward and unit.training_state is TrainingState.IDLE:
                 unit.training_state = TrainingState.FORWARD
             if not in_backward and torch.is_grad_enabled():
-                if self._recording and ui not in self.forward_order:
+                if self._recording and not self._catchup_final and ui not in self.forward_order:
                     self.forward_order.append(ui)
                 self._prefetch(self.forward_order, ui, "forward")
         return hook
@@ -263,6 +320,9 @@ class Stage3Engine(BackwardSchedule):
                     # for it, so it does not gather the unit again.
                     if t.requires_grad and (t.grad_fn is not None or isinstance(t, nn.Parameter)):
                         t.register_hook(eager_hook(self._make_pre_backward(ui)))
+            if ui == self.root and training and not _raised(output):
+                self._pass_over(self._catchup[self._cursor:])
+                self._cursor = len(self._catchup)
             if ui == self.root and training and self.recording_order and not self._order_guessed:
                 self._guess_reduce_order()
             kept = self.keeper if not training and self.keeper is not None else (lambda uj: False)
@@ -277,6 +337,88 @@ class Stage3Engine(BackwardSchedule):
                         unit.reshard()
             return None
         return hook
+
+    def _visit(self, ui: int) -> None:
+        """A training forward reaches unit `ui`: first gather, in order, the units before it
+        that this rank did not run ([Note: units run on some ranks])."""
+        if self._ran_stale:
+            self._ran, self._ran_stale = [False] * len(self.units), False
+        self._ran[ui] = True
+        if ui == self.root:
+            self._cursor = 0
+            return
+        at = self._position.get(ui)
+        if at is None or at < self._cursor:
+            return
+        self._pass_over(self._catchup[self._cursor:at])
+        self._cursor = at + 1
+
+    def _pass_over(self, skipped: list[int]) -> None:
+        """What a forward of each unit does with collectives, without running it: gather,
+        prefetch the next ones, free."""
+        for ui in skipped:
+            self._gather(ui, "forward", async_op=False)
+            self._prefetch(self.forward_order, ui, "forward")
+            self.units[ui].reshard()
+
+    def _agree_on_units_run(self) -> None:
+        """At the start of a backward pass: which units the forwards before it ran on every
+        rank, some ranks, or none ([Note: units run on some ranks])."""
+        ran = torch.tensor(self._ran, dtype=torch.int32, device=self.comm.device)
+        n = self.comm.world_size
+        everyone = torch.empty(n * len(ran), dtype=ran.dtype, device=ran.device)
+        # An all-gather: on gloo one exchange of tagged messages, where an all-reduce is preceded by
+        # an agreement of its own ([Note: gloo pairing] in distributed/collectives.py).
+        self.comm.collectives("data").all_gather(everyone, ran, "control", label="units each rank ran")
+        counts = everyone.view(n, -1).sum(0).tolist()
+        self._extend_order(counts, n)
+        self._mixed = [ui for ui, c in enumerate(counts) if 0 < c < n]
+        if not self._mixed:
+            return
+        for ui in self._mixed:
+            unit = self.units[ui]
+            unit.reshard()  # one kept since its forward (reshard_after_forward=False) is gathered as everywhere
+            self._gather(ui, "backward", async_op=False)
+            unit.wait()
+            unit.held = True
+            if not self._ran[ui]:
+                unit.reshard()
+        self._queue_order = self.queue.order
+        self.queue.order = [i for i in self.queue.order if i not in self._mixed] + self._mixed
+
+    def _extend_order(self, counts: list[int], n: int) -> None:
+        """The forwards' gather order: after the first backward, the units every rank ran, in
+        the order they ran; then each unit first run by some rank, after the last unit of the
+        order registered before it. The same on every rank: built from the summed counts."""
+        if not any(counts):
+            return
+        if self._catchup_final:
+            order = list(self._catchup)
+        else:
+            order = [ui for ui in self.forward_order if ui != self.root and counts[ui] == n]
+        seen = set(order)
+        for ui in range(self.root):
+            if counts[ui] and ui not in seen:
+                order.insert(max((i + 1 for i, v in enumerate(order) if v < ui), default=0), ui)
+        if not self._catchup_final or len(order) != len(self._catchup):
+            self._catchup, self._catchup_final = order, True
+            self._position = {ui: i for i, ui in enumerate(order)}
+            self.forward_order = ([self.root] if self.root in self.forward_order else []) + order
+
+    def _end_mixed(self) -> None:
+        """The pass is over: units run on some ranks reduce in their places again."""
+        for ui in self._mixed:
+            self.units[ui].held = False
+        self._mixed = []
+        if self._queue_order is not None:
+            self.queue.order, self._queue_order = self._queue_order, None
+
+    def begin_backward(self) -> None:
+        """The first hook of a pass also settles which units ran where ([Note: units run on some ranks])."""
+        opening = not self._backward_open
+        super().begin_backward()
+        if opening:
+            self._agree_on_units_run()
 
     # -- saved tensors (see [Note: unit storage] in sharding/flat_unit.py) ------------------
     def _pack(self, t: torch.Tensor):
@@ -316,6 +458,9 @@ class Stage3Engine(BackwardSchedule):
                 return None  # another of its outputs began its backward already
             self.begin_backward()
             unit.training_state = TrainingState.PRE_BACKWARD
+            if unit.held:  # gathered by every rank already; some ranks have no backward of it
+                unit.attach_grad_views()
+                return None
             if self._recording:
                 self.backward_order.append(ui)
             self._gather(ui, "backward", async_op=False)
@@ -329,36 +474,64 @@ class Stage3Engine(BackwardSchedule):
         unit = self.units[ui]
 
         def hook(param):
-            if not self.first_arrival(param, name, unit.training_state is TrainingState.POST_BACKWARD):
+            over = unit.training_state is TrainingState.POST_BACKWARD
+            if not self.first_arrival(param, name, over):
                 return
-            self._pending[ui] -= 1
+            if over:
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: parameter {name} of stage-3 unit {unit.name} received its gradient after "
+                    f"the unit's backward was over (the gradients of its inputs were complete), so the unit was "
+                    f"already reduced without it ([Note: unit done] in schedule/stage3.py). Its use must lie on a "
+                    f"path from the unit's inputs to its outputs inside the unit's forward: pass the tensors it "
+                    f"combines with as arguments of the unit's forward, or make the enclosing module the unit")
             self._maybe_done(ui)
         return hook
 
     def _maybe_done(self, ui: int) -> None:
-        """The unit's backward is over once its trainable parameters' gradients are in and,
-        with frozen parameters, its inputs' gradients too; a unit with frozen parameters whose
-        inputs need no gradient (the root, taking token ids) stays gathered until backward ends."""
-        if self.units[ui].frozen and not self._watched[ui]:
+        """End the unit's backward if it is over ([Note: unit done]): its watched calls' inputs
+        have their gradients and no parameter this pass reaches still waits for its own."""
+        unit = self.units[ui]
+        if unit.training_state in (TrainingState.IDLE, TrainingState.POST_BACKWARD):
             return
-        if self._pending[ui] == 0 and self._inputs_pending[ui] <= 0:
-            if self.units[ui].training_state is TrainingState.POST_BACKWARD:
-                return
-            self._unit_done(self.units[ui])
-            if self.reduces_now:
-                self.record_done(ui)
-            self.queue.launch_ready()
+        if not self._watched[ui] or self._blind[ui] or self._inputs_pending[ui] > 0:
+            return
+        if unit.params and (not inside_backward() or self._grads_to_come(unit)):
+            return
+        self._unit_done(unit)
+        if self.reduces_now:
+            self.record_done(ui)
+        self.queue.launch_ready()
+
+    def _grads_to_come(self, unit: FlatUnit) -> bool:
+        """Whether this pass will still accumulate a gradient into one of the unit's
+        parameters, or accumulates none at all (it computes gradients of inputs only)."""
+        reached = False
+        for p in unit.params:
+            if _will_accumulate(p):
+                if id(p) not in self._fired:
+                    return True
+                reached = True
+        return not reached and not self._pass_accumulates()
+
+    def _pass_accumulates(self) -> bool:
+        """Whether the running pass accumulates any parameter's gradient (once per graph task)."""
+        task = torch._C._current_graph_task_id()
+        if self._accumulating[0] != task:
+            self._accumulating = (task, any(_will_accumulate(p) for u in self.units for p in u.params))
+        return self._accumulating[1]
 
     def _make_input_watch(self, ui: int):
-        """Forward pre-hook of a unit with frozen parameters: its inputs that need a gradient
-        pass through `_BackwardDone`, which tells when the unit's backward is over."""
+        """Forward pre-hook of a unit: its inputs that need a gradient pass through
+        `_BackwardDone`, which tells when the unit's backward is over ([Note: unit done])."""
         def settle(call: _WatchedCall, backward: bool) -> None:
             if not call.settled:
                 call.settled = True
                 self._inputs_pending[ui] -= 1
             if backward:
                 self._watched[ui] = True
-            if self.units[ui].training_state is TrainingState.PRE_BACKWARD:
+            # A recomputation (reentrant checkpointing) runs its backward with no hook of its
+            # outputs first: the unit is still in FORWARD.
+            if backward or self.units[ui].training_state is TrainingState.PRE_BACKWARD:
                 self._maybe_done(ui)
 
         def forget(call: _WatchedCall) -> None:  # its graph was freed: no backward will reach it
@@ -377,6 +550,8 @@ class Stage3Engine(BackwardSchedule):
             where = [("a", i) for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
             where += [("k", k) for k, v in kwargs.items() if torch.is_tensor(v) and v.requires_grad]
             if not where:
+                if not inside_backward():
+                    self._blind[ui] = True
                 return None
             call = _WatchedCall(ui)
             self._calls[ui].add(call)
@@ -410,18 +585,23 @@ class Stage3Engine(BackwardSchedule):
         if self.reduces_now:
             self.queue.flush()
             self.units[-1].placement.synchronize()  # offloaded gradient shards: their copies landed
+        self._end_mixed()
+        if self.reduces_now:
             self.queue.adopt_recorded_order()
         if self.forward_order:
             self._recording = False
+        self._blind = [False] * len(self.units)
+        self._ran_stale, self._cursor = True, 0
         self._reset_backward_state()
 
     def abandon_backward(self) -> None:
         """A backward that gave no parameter a gradient (e.g. torch.autograd.grad with
         respect to inputs): free what it gathered, reduce nothing, count nothing."""
         for unit in self.units:
-            if unit.training_state is TrainingState.PRE_BACKWARD:
+            if unit.training_state is TrainingState.PRE_BACKWARD or unit.held:
                 unit.discard_grads()
                 unit.reshard()
+        self._end_mixed()
         self._reset_backward_state()
 
     def _guess_reduce_order(self) -> None:
@@ -453,7 +633,22 @@ class Stage3Engine(BackwardSchedule):
         for unit in self.units:
             unit.discard_grads()
             unit.reshard()
+        self._end_mixed()
+        self._blind = [False] * len(self.units)
+        self._ran_stale, self._cursor = True, 0
         self._reset_backward_state()
+
+
+def _raised(output) -> bool:
+    """In a forward hook registered with always_call: whether the forward raised (torch then
+    calls it from its exception handler, with no output). The other ranks went on: no
+    collective may follow."""
+    return output is None and sys.exc_info()[0] is not None
+
+
+def _will_accumulate(p: torch.Tensor) -> bool:
+    """Whether the running backward pass will accumulate a gradient into `p`."""
+    return torch._C._will_engine_execute_node(get_gradient_edge(p).node)
 
 
 @contextlib.contextmanager

@@ -124,6 +124,9 @@ class FlatUnit(StagedShard):
         # gradients are copied in when it is done instead (`accumulate_grads`).
         self.outer = False
         self.work = None
+        # Run on some ranks only in this backward's forwards: reduced when the backward ends
+        # ([Note: units run on some ranks] in schedule/stage3.py).
+        self.held = False
         self._staged: Optional[torch.Tensor] = None  # an offloaded shard's device copy, while gathering
         # The gradient shard holds nothing to keep: its next reduction overwrites it rather than
         # adding ([Note: gradient clearing] in schedule/base.py). On disk, zeroing would write
@@ -255,7 +258,7 @@ class FlatUnit(StagedShard):
 
     @property
     def ready_to_reduce(self) -> bool:
-        return self.training_state is TrainingState.POST_BACKWARD
+        return self.training_state is TrainingState.POST_BACKWARD and not self.held
 
     @property
     def accumulates(self) -> bool:
