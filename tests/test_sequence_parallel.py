@@ -98,6 +98,7 @@ def test_refusals_name_the_fix(pool):
         assert "transformers' attention registry" in r["not_hf"], r
         assert "pad the batch to a multiple of 2" in r["length"], r
         assert "sliding window of 8 tokens" in r["window"], r
+        assert "pad each sample to a row of its own" in r["packed"], r
 
 
 @pytest.mark.parametrize("fields,name,words", [

@@ -11,7 +11,8 @@ root model cuts them before the model sees them: rank r keeps tokens [r S/k, (r+
   the split. The model's loss gets `shift_labels` (transformers' causal-LM loss uses them
   as they are) and `num_items_in_batch`, the whole sequence's count of labelled tokens
   (the caller's own, when it gives one): [Note: sequence-parallel loss] in loss.py.
-- position_ids: the caller's, cut; else positions 0..S-1 of the whole sequence, cut.
+- position_ids: the caller's, cut; else positions 0..S-1 of the whole sequence, cut. Packed
+  samples (position_ids restarting inside a row) are refused: the mask built is causal.
 - attention_mask: a 2-D padding mask is kept whole for the attention (attention.py), and the
   model gets none (the mask it would build covers its slice only); 4-D masks are refused.
 - a length not divisible by k is refused (pad the batch to a multiple of k).
@@ -83,6 +84,10 @@ class SequenceInputs:
             if named.get(name) is not None:
                 named[name] = self._slice(named[name])
         positions = named.get("position_ids")
+        if positions is not None and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
+            raise ValueError("position_ids that do not count up by one (packed samples restarting inside a row) "
+                             "are not built under sequence parallelism: the attention's mask stays causal over the "
+                             "whole row; pad each sample to a row of its own")
         if positions is None:
             positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, length)
         named["position_ids"] = self._slice(positions)
