@@ -199,3 +199,34 @@ def tiled_memory_case(rank, world_size, stage, tiled, vocab=4096, seq=256):
         after = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"peak": added.peak_nbytes, "loss": float(out.loss.detach()), "logits_nbytes": seq * vocab * 4,
             "params": after}
+
+
+def with_and_without_case(rank, world_size, name, stage, precision="bf16", micro_batches=1):
+    """zerodp with sequence_parallel_size=world_size against zerodp without it on the same
+    world, both in `precision`, every rank given the same batch (so that the run without
+    sequence parallelism averages N copies of one batch's gradient: one process's); each
+    step's batch split in `micro_batches` along its rows, accumulated."""
+    runs = {}
+    for sp in (world_size, 1):
+        model = build(name, "sdpa")
+        cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, mixed_precision=precision,
+                            grad_accumulation_steps=micro_batches)
+        model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps), cfg)
+        losses = []
+        for step in range(STEPS):
+            full = batch(step, 0, padded=True)
+            total = 0.0
+            for m in range(micro_batches):
+                part = {k: v.chunk(micro_batches)[m] for k, v in full.items()}
+                loss = model(**part).loss / micro_batches
+                loss.backward()
+                total += float(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        with zerodp.gathered_parameters(model):
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        runs[sp] = (losses, params)
+    (losses, params), (plain_losses, plain) = runs[world_size], runs[1]
+    return {"losses": losses, "plain_losses": plain_losses,
+            "errors": {n: rel(p, plain[n]) for n, p in params.items()}}

@@ -145,3 +145,26 @@ def test_tiled_loss_refusals(fields, name):
     with pytest.raises(zerodp.ConfigError, match="with tiled_loss") as e:
         zerodp.Config(tiled_loss=True, **fields)
     assert name in str(e.value)
+
+
+# bf16: the run with sequence parallelism against the same run without, both zerodp in bf16.
+# They round differently: a weight's gradient sums the k slices' tokens in bf16 across ranks
+# instead of inside one matmul, and the loss sums the slices' sums. That moves a gradient
+# element by at most K_TERMS u16 sum|terms| (u16 = 2^-9), an SGD update by lr / (1 - momentum)
+# times that per step, over STEPS steps, and the compared bf16 parameter by one bf16 ulp
+# (2^-8) more: 0.19 (test_moe.BF16_TOL's derivation). Weak, as a bf16 bound must be; the fp32
+# grid is the strict check. It still catches a lost slice or a wrong mask (O(1) on the loss).
+BF16_TOL = cases.STEPS * cases.SGD["lr"] / (1 - cases.SGD["momentum"]) * K_TERMS * 2.0**-9 * GRAD_BOUND + 2.0**-8
+
+
+@pytest.mark.parametrize("stage,precision,micro_batches", [(3, "bf16", 1), (1, "fp32", 2)])
+def test_with_and_without_sequence_parallelism(pool, stage, precision, micro_batches):
+    """bf16, and accumulation over two micro-batches (fp32: the strict bound), against the
+    same zerodp run without sequence parallelism on the same batch."""
+    tol = BF16_TOL if precision == "bf16" else SGD_TOL
+    for r in pool.run(2, cases.with_and_without_case, "llama", stage, precision, micro_batches,
+                      timeout_s=TIMEOUT_S):
+        diffs = [abs(a - b) / (1 + abs(b)) for a, b in zip(r["losses"], r["plain_losses"])]
+        assert max(diffs) <= tol, (r["losses"], r["plain_losses"])
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= tol, (worst, r["errors"][worst])
