@@ -230,3 +230,34 @@ def with_and_without_case(rank, world_size, name, stage, precision="bf16", micro
     (losses, params), (plain_losses, plain) = runs[world_size], runs[1]
     return {"losses": losses, "plain_losses": plain_losses,
             "errors": {n: rel(p, plain[n]) for n, p in params.items()}}
+
+
+def checkpoint_case(rank, world_size, path, stage):
+    """Train 2 steps with sequence_parallel_size=world_size, zerodp.save; load into the model
+    without sequence parallelism (same world, every rank given the same batch): the same
+    parameters, and one more step of each the same."""
+    runs = {}
+    for sp in (world_size, 1):
+        model = build("llama", "sdpa")
+        cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp)
+        model, opt = zerodp.initialize(model, lambda ps: optimizer("adamw", ps), cfg)
+        if sp > 1:
+            for step in range(2):
+                model(**batch(step, 0, padded=True)).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            zerodp.save(path, model, opt)
+        else:
+            zerodp.load(path, model, opt)
+        with zerodp.gathered_parameters(model):
+            loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+        loss = model(**batch(2, 0, padded=True)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with zerodp.gathered_parameters(model):
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+        runs[sp] = (loaded, float(loss.detach()), after)
+    (saved, loss, after), (loaded, plain_loss, plain_after) = runs[world_size], runs[1]
+    return {"load_errors": max(rel(loaded[n], p) for n, p in saved.items()), "loss": loss, "plain_loss": plain_loss,
+            "errors": max(rel(after[n], p) for n, p in plain_after.items())}
