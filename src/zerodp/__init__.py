@@ -14,7 +14,7 @@ from .memory.ledger import MemoryReport
 from .optim import ZeroOptimizer
 from .optim.multi import OptimizerList, split_hidden_matrices
 from .schedule.generation import generation_context
-from .schedule.stage3 import gathered_parameters
+from .schedule.gathered import gathered_parameters
 from .sharding.meta_init import init
 from .version import __version__
 

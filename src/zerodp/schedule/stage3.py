@@ -42,34 +42,14 @@ no gradient (token ids; the root) has no such event and is done when the backwar
 is every unit in a pass that reaches no parameter (torch.autograd.grad with respect to the
 inputs).
 
-[Note: units run on some ranks]
-A unit whose forward runs on some ranks only (an expert that is a unit of its own, which no
-token reached on this rank) would be gathered, backpropagated and reduced there only. So:
-- a training forward gathers the units in one order on every rank (registration order until
-  the first backward, then the order the forwards ran them in): a rank that reaches a unit
-  past units it did not run gathers those first, in that order, and frees them at once, and
-  the root's end passes any left; a unit run again (a block called twice) is gathered as it
-  comes, as on every rank. Each rank thus issues the forward's gathers the others issue.
-- the first hook of each backward pass gathers from every rank which units it ran (one
-  small all-gather). A unit run on some ranks only is then gathered on every rank (freed at
-  once where it did not run), and reduced when the backward ends, after the other units, on
-  every rank (zeros where it did not run); its own backward issues no collective. So the
-  ranks' sequences stay alike whatever each one's data reached.
-Cost: the all-gather, once per backward; a unit run on some ranks only stays gathered from
-the start of backward to its own backward, and its gradient from then to the end of
-backward; a unit no rank ran in a training forward is gathered there all the same. The
-order is that of first calls: a rank that skips a unit and then calls an earlier one again
-(a block called twice) is elsewhere in it than a rank that ran the unit, and so are ranks
-that run units in an order of their data's choosing; those still part ways (Config.debug
-names where).
+[Note: units run on some ranks] is in unit_usage.py.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import weakref
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -82,17 +62,13 @@ from ..memory import hostmem
 from ..memory.pool import BufferPool
 from ..sharding.flat_unit import FlatUnit, TrainingState, UnitState
 from .base import BackwardSchedule, ReduceQueue, eager_hook, inside_backward, output_tensors
+from .gathered import register_engine
 from .presence import clear_by_owner
+from .unit_checks import UnitChecks
+from .unit_usage import UnitUsage
 
 log = logging.getLogger(__name__)
 
-# Model -> its stage-3 engine, for gathered_parameters(); weak both ways (the engine holds
-# the model), so that a model and its optimizer die when the user drops them.
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-class _UnitView:
-    """Marks a saved tensor packed as a view of a unit's gathered buffer."""
 
 
 class _WatchedCall:
@@ -123,7 +99,7 @@ class _BackwardDone(torch.autograd.Function):
         return (None, *grads)
 
 
-class Stage3Engine(BackwardSchedule):
+class Stage3Engine(UnitUsage, UnitChecks, BackwardSchedule):
     """The schedule: when each unit is gathered, freed and reduced."""
 
     # After a forward without gradients, whether a unit stays gathered ([Note: kept for generation]).
@@ -176,39 +152,8 @@ class Stage3Engine(BackwardSchedule):
         self._owner = [(u, i) for u in units for i in range(len(u.params))]
         self.track([p for u in units for p in u.params], self._clear_grads)
         self._reset_backward_state()
-        _ENGINES[units[-1].module] = weakref.ref(self)
+        register_engine(units[-1].module, self)
 
-    def _guard_sharded_use(self, model: nn.Module) -> None:
-        """A module whose parameters belong to a unit that is not gathered when it runs
-        would compute with 1-D shards (wrong shapes on some ranks, a hang on the others).
-        Each module holding unit parameters checks, just before its forward, that their
-        units are gathered, and raises naming them; registered after the units' own
-        hooks, so a unit's gather runs first."""
-        unit_of = {id(p): ui for ui, u in enumerate(self.units) for p in u.all_params()}
-        for mname, m in model.named_modules():
-            mine = [(pname, unit_of[id(p)]) for pname, p in m.named_parameters(recurse=False) if id(p) in unit_of]
-            if mine:
-                m.register_forward_pre_hook(self._make_sharded_check(mname or "<root>", type(m).__name__, mine))
-
-    def _make_sharded_check(self, mname: str, kind: str, mine: list):
-        def hook(module, args):
-            # Traced by torch.compile, not run ([Note: hooks stay eager] in schedule/base.py):
-            # read there, `mine` would specialise a block's graph to each instance. A compiled
-            # frame meets only gathered parameters: a shard fails the graph's shape guards.
-            if torch.compiler.is_compiling():
-                return
-            for pname, ui in mine:
-                if self.units[ui].state is UnitState.SHARDED:
-                    unit = self.units[ui]
-                    raise RuntimeError(
-                        f"rank {self.comm.rank}: {mname} ({kind}) ran while its parameter {pname!r} is sharded: "
-                        f"stage-3 unit {unit.name} that holds it was not gathered, because that unit's forward "
-                        f"does not enclose this call. Units must be modules whose forward runs every use of "
-                        f"their parameters: set Config.unit_modules to the model's block class, or run the "
-                        f"call inside zerodp.gathered_parameters(...)")
-        return hook
-
-    # -- helpers -----------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
         # Per unit ([Note: unit done]): calls whose inputs' gradients are not in yet, and calls
         # run without gradients inside a training forward (reentrant checkpointing), whose
@@ -337,117 +282,6 @@ class Stage3Engine(BackwardSchedule):
                         unit.reshard()
             return None
         return hook
-
-    def _visit(self, ui: int) -> None:
-        """A training forward reaches unit `ui`: first gather, in order, the units before it
-        that this rank did not run ([Note: units run on some ranks])."""
-        if self._ran_stale:
-            self._ran, self._ran_stale = [False] * len(self.units), False
-        self._ran[ui] = True
-        if ui == self.root:
-            self._cursor = 0
-            return
-        at = self._position.get(ui)
-        if at is None or at < self._cursor:
-            return
-        self._pass_over(self._catchup[self._cursor:at])
-        self._cursor = at + 1
-
-    def _pass_over(self, skipped: list[int]) -> None:
-        """What a forward of each unit does with collectives, without running it: gather,
-        prefetch the next ones, free."""
-        for ui in skipped:
-            self._gather(ui, "forward", async_op=False)
-            self._prefetch(self.forward_order, ui, "forward")
-            self.units[ui].reshard()
-
-    def _agree_on_units_run(self) -> None:
-        """At the start of a backward pass: which units the forwards before it ran on every
-        rank, some ranks, or none ([Note: units run on some ranks])."""
-        ran = torch.tensor(self._ran, dtype=torch.int32, device=self.comm.device)
-        n = self.comm.world_size
-        everyone = torch.empty(n * len(ran), dtype=ran.dtype, device=ran.device)
-        # An all-gather: on gloo one exchange of tagged messages, where an all-reduce is preceded by
-        # an agreement of its own ([Note: gloo pairing] in distributed/collectives.py).
-        self.comm.collectives("data").all_gather(everyone, ran, "control", label="units each rank ran")
-        counts = everyone.view(n, -1).sum(0).tolist()
-        self._extend_order(counts, n)
-        self._mixed = [ui for ui, c in enumerate(counts) if 0 < c < n]
-        if not self._mixed:
-            return
-        for ui in self._mixed:
-            unit = self.units[ui]
-            unit.reshard()  # one kept since its forward (reshard_after_forward=False) is gathered as everywhere
-            self._gather(ui, "backward", async_op=False)
-            unit.wait()
-            unit.held = True
-            if not self._ran[ui]:
-                unit.reshard()
-        self._queue_order = self.queue.order
-        self.queue.order = [i for i in self.queue.order if i not in self._mixed] + self._mixed
-
-    def _extend_order(self, counts: list[int], n: int) -> None:
-        """The forwards' gather order: after the first backward, the units every rank ran, in
-        the order they ran; then each unit first run by some rank, after the last unit of the
-        order registered before it. The same on every rank: built from the summed counts."""
-        if not any(counts):
-            return
-        if self._catchup_final:
-            order = list(self._catchup)
-        else:
-            order = [ui for ui in self.forward_order if ui != self.root and counts[ui] == n]
-        seen = set(order)
-        for ui in range(self.root):
-            if counts[ui] and ui not in seen:
-                order.insert(max((i + 1 for i, v in enumerate(order) if v < ui), default=0), ui)
-        if not self._catchup_final or len(order) != len(self._catchup):
-            self._catchup, self._catchup_final = order, True
-            self._position = {ui: i for i, ui in enumerate(order)}
-            self.forward_order = ([self.root] if self.root in self.forward_order else []) + order
-
-    def _end_mixed(self) -> None:
-        """The pass is over: units run on some ranks reduce in their places again."""
-        for ui in self._mixed:
-            self.units[ui].held = False
-        self._mixed = []
-        if self._queue_order is not None:
-            self.queue.order, self._queue_order = self._queue_order, None
-
-    def begin_backward(self) -> None:
-        """The first hook of a pass also settles which units ran where ([Note: units run on some ranks])."""
-        opening = not self._backward_open
-        super().begin_backward()
-        if opening:
-            self._agree_on_units_run()
-
-    # -- saved tensors (see [Note: unit storage] in sharding/flat_unit.py) ------------------
-    def _pack(self, t: torch.Tensor):
-        if t.layout is not torch.strided:
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        for ui in list(self._live):  # the few gathered units, not every unit
-            buffers = self.units[ui].gathered_buffers()
-            if not buffers:
-                self._live.discard(ui)
-            for bi, buf in buffers:
-                if ptr == buf.untyped_storage().data_ptr():
-                    return (_UnitView, ui, bi, t.storage_offset(), tuple(t.shape), t.stride())
-        return t
-
-    def _unpack(self, packed):
-        if not (isinstance(packed, tuple) and packed and packed[0] is _UnitView):
-            return packed
-        _, ui, bi, offset, shape, stride = packed
-        unit = self.units[ui]
-        if unit.buffer(bi) is None or unit.state is UnitState.SHARDED:
-            raise RuntimeError(f"rank {self.comm.rank}: backward needs the parameters of stage-3 unit {unit.name}, "
-                               f"which are not gathered: was a parameter of it used outside the unit's forward?")
-        unit.wait()
-        view = unit.buffer(bi).as_strided(shape, stride, offset)
-        # A backward with create_graph=True (a gradient penalty) records what it unpacks in
-        # the double-backward graph, which outlives this gather: the pooled buffer is reused
-        # by the next forward, so that graph gets a copy of its own.
-        return view.clone() if torch.is_grad_enabled() else view
 
     # -- backward ----------------------------------------------------------------------------
     def _make_pre_backward(self, ui: int):
@@ -649,47 +483,3 @@ def _raised(output) -> bool:
 def _will_accumulate(p: torch.Tensor) -> bool:
     """Whether the running backward pass will accumulate a gradient into `p`."""
     return torch._C._will_engine_execute_node(get_gradient_edge(p).node)
-
-
-@contextlib.contextmanager
-def gathered_parameters(target: Union[nn.Module, Iterable[nn.Parameter]], modify: bool = False,
-                        optimizer=None) -> Iterator[None]:
-    """Full parameters present on every rank inside the block. With `modify=True`, rank
-    0's values are written back to every rank's shard on exit (and to the fp32 master
-    if `optimizer` is given), as DeepSpeed's GatheredParameters(modifier_rank=0) does.
-    Outside stage 3 the parameters are already full; the block is still a valid no-op."""
-    if optimizer is not None:
-        optimizer.settle()  # a delayed update lands before the parameters are read or edited
-    params = list(target.parameters()) if isinstance(target, nn.Module) else list(target)
-    wanted = {id(p) for p in params}
-    chosen: list[tuple[Stage3Engine, FlatUnit]] = []
-    for engine in [ref() for ref in list(_ENGINES.values())]:
-        if engine is None:
-            continue
-        for unit in engine.units:
-            if any(id(p) in wanted for p in unit.all_params()):
-                chosen.append((engine, unit))
-    # Every chosen unit is gathered at once: a one-off peak the pools give back on exit
-    # (kept, it would hold the whole model's parameters for the rest of the run).
-    marks = {id(unit.pool): (unit.pool, unit.pool.mark()) for _, unit in chosen}
-    for engine, unit in chosen:
-        engine.gather(engine.units.index(unit))
-    try:
-        yield
-    finally:
-        if modify:
-            with torch.no_grad():
-                for engine, unit in chosen:
-                    # Over the unit's own ranks: an expert bank's are those that hold its experts.
-                    if not unit.empty:
-                        unit.comm.broadcast(unit.full, 0, "init")
-                        unit.shard.copy_(unit.own_chunk(unit.full))
-                    for part in unit.frozen:
-                        unit.comm.broadcast(part.full, 0, "init")
-                        part.write_back()
-                if optimizer is not None:
-                    optimizer.refresh_master_from_params()
-        for _, unit in chosen:
-            unit.reshard()
-        for pool, mark in marks.values():
-            pool.release_since(mark)
