@@ -166,6 +166,12 @@ def refusal_case(rank, world_size):
         positions = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).unsqueeze(0)
         model(input_ids=ids, labels=ids, position_ids=positions)
 
+    def different_batches():
+        model, _ = zerodp.initialize(build("llama", "sdpa"), torch.optim.SGD,
+                                     zerodp.Config(sequence_parallel_size=2), lr=0.1)
+        model(**batch(0, rank))  # sampled by the rank instead of the group
+
+    attempt("different", different_batches)
     attempt("window", sliding_window)
     attempt("packed", packed)
     attempt("heads", odd_heads)

@@ -18,6 +18,10 @@ root model cuts them before the model sees them: rank r keeps tokens [r S/k, (r+
 - a length not divisible by k is refused (pad the batch to a multiple of k).
 - use_cache is turned off: a cache would hold this rank's slice's keys only.
 
+Before the split, the ranks of the group compare a fingerprint of what they were given
+([Note: tensor-parallel input fingerprint] in tensor_parallel/inputs.py, over ``sp``): a
+rank fed another batch raises on every rank instead of training on a mixture.
+
 A forward hook then replaces the output's loss by the whole sequence's. The output's logits
 are this rank's slice of the sequence.
 """
@@ -34,6 +38,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..distributed import Comm
+from ..tensor_parallel.inputs import InputFingerprint
 from .attention import UlyssesAttention
 from .loss import sum_over_sequence
 
@@ -139,6 +144,7 @@ class SequenceParallelModel:
 
     inputs: SequenceInputs
     attention: str
+    fingerprint: InputFingerprint
 
 
 def _check_heads(config, k: int) -> None:
@@ -182,6 +188,8 @@ def apply_sequence_parallel(model: nn.Module, comm: Comm) -> SequenceParallelMod
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    fingerprint = InputFingerprint(comm, "sp")  # before the split: the group's whole inputs
+    fingerprint.install(model)
     inputs = SequenceInputs(comm, model.forward)
     name = f"zerodp_ulysses_{base}_{next(_NAMES)}"
     AttentionInterface.register(name, UlyssesAttention(base, comm, inputs))
@@ -190,7 +198,7 @@ def apply_sequence_parallel(model: nn.Module, comm: Comm) -> SequenceParallelMod
     model.register_forward_pre_hook(inputs.pre_hook, with_kwargs=True)
     model.register_forward_hook(inputs.hook, with_kwargs=True)
     _SPLIT.add(model)
-    return SequenceParallelModel(inputs, name)
+    return SequenceParallelModel(inputs, name, fingerprint)
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -83,10 +83,12 @@ def fingerprint(inputs: Any, device: torch.device) -> torch.Tensor:
 
 class InputFingerprint:
     """A forward pre-hook on the root module: raises on every rank when the ranks of a
-    tensor-parallel group were given different inputs."""
+    tensor-parallel group (`axis` "tp"), or of a sequence-parallel group ("sp", whose ranks
+    are given one batch alike: [Note: sequence-parallel inputs]), were given different inputs."""
 
-    def __init__(self, comm: Comm):
-        self.comm = comm
+    def __init__(self, comm: Comm, axis: str = "tp"):
+        self.comm, self.axis = comm, axis
+        self.what = {"tp": "tensor-parallel", "sp": "sequence-parallel"}[axis]
         self.checked = 0  # forwards checked
 
     def install(self, model: nn.Module) -> None:
@@ -95,8 +97,8 @@ class InputFingerprint:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         comm, topo = self.comm, self.comm.topology
         mine = fingerprint((args, kwargs), comm.device)
-        everyone = torch.empty(topo.tp_size, dtype=torch.int64, device=comm.device)
-        comm.collectives("tp").all_gather(everyone, mine, "forward", label=_LABEL)
+        everyone = torch.empty(topo.size(self.axis), dtype=torch.int64, device=comm.device)
+        comm.collectives(self.axis).all_gather(everyone, mine, "forward", label=_LABEL)
         differs = (everyone != everyone[0]).any().to(torch.int64).reshape(1)
         comm.all_reduce(differs, "forward", op=dist.ReduceOp.MAX, label=_LABEL)
         self.checked += 1
@@ -107,12 +109,19 @@ class InputFingerprint:
         comm, topo = self.comm, self.comm.topology
         here = bool((everyone != everyone[0]).any())
         at_fault = [r for r, bad in enumerate(comm.all_gather_object(here, label=_LABEL)) if bad]
+        group = self.what
         if here:
-            what = (f"its tensor-parallel group's ranks were fed different inputs (fingerprints by tensor-parallel "
+            what = (f"its {group} group's ranks were fed different inputs (fingerprints by {group} "
                     f"rank: {everyone.tolist()})")
         else:
-            what = f"the tensor-parallel group(s) of data-parallel rank(s) {at_fault} were fed different inputs"
+            what = f"the {group} group(s) of data-parallel rank(s) {at_fault} were fed different inputs"
+        if self.axis == "tp":
+            sample = ("sample the data by the data-parallel rank and size (opt.comm.rank, opt.comm.world_size), not "
+                      "by the global rank")
+        else:
+            k = topo.sp_size
+            sample = (f"sample the data by the group (opt.comm.rank // {k}) over the {topo.world_size // k} groups, "
+                      f"not by the rank")
         raise ValueError(
-            f"rank {comm.rank} of the data-parallel ranks, tensor-parallel rank {topo.tp_rank}: {what}. Every rank of "
-            f"a tensor-parallel group must give the model the same batch: sample the data by the data-parallel rank "
-            f"and size (opt.comm.rank, opt.comm.world_size), not by the global rank; nothing was computed with it")
+            f"rank {comm.rank} of the data-parallel ranks, {group} rank {topo.rank_on(self.axis)}: {what}. Every "
+            f"rank of a {group} group must give the model the same batch: {sample}; nothing was computed with it")
