@@ -267,3 +267,30 @@ def checkpoint_case(rank, world_size, path, stage):
     (saved, loss, after), (loaded, plain_loss, plain_after) = runs[world_size], runs[1]
     return {"load_errors": max(rel(loaded[n], p) for n, p in saved.items()), "loss": loss, "plain_loss": plain_loss,
             "errors": max(rel(after[n], p) for n, p in plain_after.items())}
+
+
+def two_forwards_case(rank, world_size, stage, attn):
+    """Hugging Face gradient checkpointing, two forwards of differently padded batches before
+    one backward of their mean: each recomputed layer must get its own forward's mask."""
+    first = batch(0, 0, padded=True)
+    second = batch(1, 0)
+    mask = torch.ones_like(second["input_ids"])
+    mask[0, -3:] = 0
+    second["labels"][0, -3:] = -100
+    second["attention_mask"] = mask
+    ref = build("llama", attn)
+    ref_opt = optimizer("sgd", ref.parameters())
+    ref_loss = (ref(**first).loss + ref(**second).loss) / 2
+    ref_loss.backward()
+    ref_opt.step()
+    model = build("llama", attn)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, opt = zerodp.initialize(model, lambda ps: optimizer("sgd", ps),
+                                   zerodp.Config(stage=stage, sequence_parallel_size=world_size))
+    loss = (model(**first).loss + model(**second).loss) / 2
+    loss.backward()
+    opt.step()
+    with zerodp.gathered_parameters(model):
+        want = dict(ref.named_parameters())
+        errors = {n: rel(p.detach(), want[n].detach()) for n, p in model.named_parameters()}
+    return {"loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()), "errors": errors}

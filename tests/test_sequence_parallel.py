@@ -84,6 +84,16 @@ def test_checkpointed_layers(pool, stage):
     check([{**r, "name": "llama"} for r in results], "sgd", 2, 2)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_two_checkpointed_forwards_before_one_backward(pool, attn):
+    """Each recomputed layer gets the mask of its own forward (the model hands it in), not the
+    last forward's: two differently padded batches, then one backward."""
+    for r in pool.run(2, cases.two_forwards_case, 1, attn, timeout_s=TIMEOUT_S):
+        assert abs(r["loss"] - r["ref_loss"]) / (1 + abs(r["ref_loss"])) <= SGD_TOL, r
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= SGD_TOL, (worst, r["errors"][worst])
+
+
 def test_four_ranks_two_groups_of_two(pool):
     """N=4: SP=2 x DP=2 at stage 3, sdpa, a padded batch; each group reads its own batch, the
     gradients are averaged over the two groups."""

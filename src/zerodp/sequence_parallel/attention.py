@@ -89,10 +89,10 @@ def heads_to_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 class UlyssesAttention:
     """A Hugging Face attention function (transformers' AttentionInterface signature) that
-    runs `base` ("sdpa" or "eager") on head shards of the whole sequence. The model's own
-    mask (built for this rank's slice) is not used: the mask of the whole sequence (causal,
-    and the batch's padding from its full `attention_mask`) is built once per forward from
-    what the input split kept (`SequenceInputs`)."""
+    runs `base` ("sdpa" or "eager") on head shards of the whole sequence, with the mask of the
+    whole sequence (causal, and the batch's padding from its full `attention_mask`), built once
+    per forward from what the input split kept (`SequenceInputs`): the model passes it in as
+    attention_mask when it asks the registry for its mask, as transformers' models do."""
 
     def __init__(self, base: str, comm: Comm, inputs):
         self.base, self.comm, self.inputs = base, comm, inputs
@@ -110,7 +110,10 @@ class UlyssesAttention:
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         comm = self.comm
         q, k, v = (sequence_to_heads(t, comm) for t in (query, key, value))
-        mask = self.inputs.mask(self.base, q.dtype, q.device)
+        if self.inputs.model_builds_mask:  # the whole sequence's, from the model: its own forward's
+            mask = attention_mask
+        else:  # a model that builds no mask: this forward's, from the split
+            mask = self.inputs.mask(self.base, q.dtype, q.device)
         out, weights = self._function(module)(module, q, k, v, mask, **kwargs)  # [B, S, H/k, D]
         out = heads_to_sequence(out.transpose(1, 2), comm).transpose(1, 2)  # [B, s, H, D]
         return out, weights

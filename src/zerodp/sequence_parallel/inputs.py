@@ -13,8 +13,9 @@ root model cuts them before the model sees them: rank r keeps tokens [r S/k, (r+
   (the caller's own, when it gives one): [Note: sequence-parallel loss] in loss.py.
 - position_ids: the caller's, cut; else positions 0..S-1 of the whole sequence, cut. Packed
   samples (position_ids restarting inside a row) are refused: the mask built is causal.
-- attention_mask: a 2-D padding mask is kept whole for the attention (attention.py), and the
-  model gets none (the mask it would build covers its slice only); 4-D masks are refused.
+- attention_mask: a 2-D padding mask is kept whole; the model gets none, and the mask function
+  registered for it returns the whole sequence's (causal and padding) instead of its slice's,
+  which the model hands every layer's attention (attention.py); 4-D masks are refused.
 - a length not divisible by k is refused (pad the batch to a multiple of k).
 - use_cache is turned off: a cache would hold this rank's slice's keys only.
 
@@ -60,6 +61,7 @@ class SequenceInputs:
         self.padding: Optional[torch.Tensor] = None  # [B, S] of the current forward
         self.length = 0
         self._masks: dict = {}
+        self.model_builds_mask = False  # the model asked for its mask through the registry
         self.splits = 0  # forwards split
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
@@ -116,6 +118,13 @@ class SequenceInputs:
             return output
         output["loss"] = sum_over_sequence(loss, self.comm)
         return output
+
+    def model_mask(self, base: str, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """Stands as the model's mask function (transformers' AttentionMaskInterface): the whole
+        sequence's mask, which the model passes to every layer as its attention_mask, so that a
+        checkpointed layer recomputed in backward gets its own forward's mask back."""
+        self.model_builds_mask = True
+        return self.mask(base, dtype, device)
 
     def mask(self, base: str, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
         """The whole sequence's attention mask for `base`: None for sdpa without padding (its
@@ -193,14 +202,10 @@ def apply_sequence_parallel(model: nn.Module, comm: Comm) -> SequenceParallelMod
     inputs = SequenceInputs(comm, model.forward)
     name = f"zerodp_ulysses_{base}_{next(_NAMES)}"
     AttentionInterface.register(name, UlyssesAttention(base, comm, inputs))
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, lambda *args, dtype=torch.float32, device=None, **kwargs:
+                                    inputs.model_mask(base, dtype, device))
     config._attn_implementation = name
     model.register_forward_pre_hook(inputs.pre_hook, with_kwargs=True)
     model.register_forward_hook(inputs.hook, with_kwargs=True)
     _SPLIT.add(model)
     return SequenceParallelModel(inputs, name, fingerprint)
-
-
-def _no_mask(*args, **kwargs) -> None:
-    """The model's own mask of its slice is not built: the attention builds the whole one."""
-    return None
