@@ -94,6 +94,15 @@ def test_two_checkpointed_forwards_before_one_backward(pool, attn):
         assert r["errors"][worst] <= SGD_TOL, (worst, r["errors"][worst])
 
 
+@pytest.mark.parametrize("stage,checkpointing", [(1, False), (3, True)])
+def test_the_bundled_gpt(pool, stage, checkpointing):
+    """zerodp.demo's GPT (its attention called through `attend`, targets shifted by the
+    caller), a padded batch (targets -100), with and without its gradient checkpointing."""
+    results = pool.run(2, cases.parity_case, "gpt", stage, "sgd", 2, "sdpa", True, checkpointing,
+                       timeout_s=TIMEOUT_S)
+    check([{**r, "name": "gpt"} for r in results], "sgd", 2, 2)
+
+
 def test_four_ranks_two_groups_of_two(pool):
     """N=4: SP=2 x DP=2 at stage 3, sdpa, a padded batch; each group reads its own batch, the
     gradients are averaged over the two groups."""

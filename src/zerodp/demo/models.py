@@ -148,8 +148,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over (B, heads, T, head_dim); sequence parallelism sets its own on
+        the instance (zerodp/sequence_parallel/inputs.py)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

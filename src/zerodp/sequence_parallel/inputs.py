@@ -41,6 +41,7 @@ from ..config import ConfigError
 from ..distributed import Comm
 from ..tensor_parallel.inputs import InputFingerprint
 from .attention import UlyssesAttention
+from .gpt import GPTSequenceInputs, is_bundled_gpt
 from .loss import sum_over_sequence
 
 __all__ = ["SequenceInputs", "SequenceParallelModel", "apply_sequence_parallel", "check_model"]
@@ -149,9 +150,9 @@ class SequenceInputs:
 @dataclass(frozen=True)
 class SequenceParallelModel:
     """What `apply_sequence_parallel` did: the input split and the attention function it
-    registered (its name in transformers' registry)."""
+    registered (its name in transformers' registry; "" for the bundled GPT)."""
 
-    inputs: SequenceInputs
+    inputs: object  # SequenceInputs, or GPTSequenceInputs
     attention: str
     fingerprint: InputFingerprint
 
@@ -171,16 +172,25 @@ def _check_heads(config, k: int) -> None:
 
 def check_model(model: nn.Module, k: int) -> None:
     """Raises ConfigError naming the fix when `model` cannot be split over k ranks: it must
-    be a Hugging Face model whose attention goes through transformers' registry
-    (attn_implementation "sdpa" or "eager"), with heads and key/value heads divisible by k."""
+    be the bundled GPT or a Hugging Face model whose attention goes through transformers'
+    registry (attn_implementation "sdpa" or "eager"), with heads and key/value heads
+    divisible by k."""
     config = getattr(model, "config", None)
     base = getattr(config, "_attn_implementation", None)
+    if is_bundled_gpt(model):  # [Note: sequence-parallel GPT]
+        heads = config.n_head
+        if heads % k:
+            raise ConfigError(f"Config.sequence_parallel_size={k}: the model's {heads} attention heads do not split "
+                              f"over {k} ranks (each rank attends with whole heads): use a sequence_parallel_size "
+                              f"that divides {heads}")
+        return
     if model in _SPLIT:
         raise ConfigError(f"{type(model).__name__} is already split for sequence parallelism")
     if base not in _BASES:
-        raise ConfigError(f"Config.sequence_parallel_size={k}: {type(model).__name__} is not a Hugging Face model "
-                          f"whose attention goes through transformers' attention registry with attn_implementation "
-                          f"in {_BASES} (it has {base!r}): load it with attn_implementation='sdpa' or 'eager'")
+        raise ConfigError(f"Config.sequence_parallel_size={k}: {type(model).__name__} is neither zerodp's bundled "
+                          f"GPT nor a Hugging Face model whose attention goes through transformers' attention "
+                          f"registry with attn_implementation in {_BASES} (it has {base!r}): load it with "
+                          f"attn_implementation='sdpa' or 'eager'")
     _check_heads(config, k)
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) is not False:
@@ -193,12 +203,14 @@ def apply_sequence_parallel(model: nn.Module, comm: Comm) -> SequenceParallelMod
     """Install the input split and the Ulysses attention (`check_model` first)."""
     k = comm.topology.sp_size
     check_model(model, k)
+    fingerprint = InputFingerprint(comm, "sp")  # before the split: the group's whole inputs
+    fingerprint.install(model)
+    if is_bundled_gpt(model):
+        return SequenceParallelModel(GPTSequenceInputs(model, comm), "", fingerprint)
     config, base = model.config, model.config._attn_implementation
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    fingerprint = InputFingerprint(comm, "sp")  # before the split: the group's whole inputs
-    fingerprint.install(model)
     inputs = SequenceInputs(comm, model.forward)
     name = f"zerodp_ulysses_{base}_{next(_NAMES)}"
     AttentionInterface.register(name, UlyssesAttention(base, comm, inputs))
