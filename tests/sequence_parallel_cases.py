@@ -312,3 +312,26 @@ def two_forwards_case(rank, world_size, stage, attn):
         want = dict(ref.named_parameters())
         errors = {n: rel(p.detach(), want[n].detach()) for n, p in model.named_parameters()}
     return {"loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()), "errors": errors}
+
+
+def trainer_case(rank, world_size, root):
+    """zerodp's Hugging Face Trainer with sequence_parallel_size=world_size (one group reading
+    with world_size times the per-device batch, as DDP's ranks read together) against the plain
+    Trainer under DDP (hf_trainer_cases' model, data and arguments: accumulation, clipping
+    computed every step, an eval before the first step)."""
+    import os
+
+    import hf_trainer_cases as hf
+
+    hf._distributed_env(rank, world_size)
+    ddp = hf.run(os.path.join(root, "ddp"), evaluate=True)
+    sp = hf.run(os.path.join(root, "sp"), zerodp.Config(stage=3, sequence_parallel_size=world_size), evaluate=True,
+                per_device_train_batch_size=world_size * hf.BATCH, per_device_eval_batch_size=world_size * hf.BATCH)
+    metrics = None
+    try:
+        hf.ZeroTrainer(model=hf.build_model(), args=hf.arguments(os.path.join(root, "m")),
+                       zerodp_config=zerodp.Config(sequence_parallel_size=world_size),
+                       train_dataset=hf.Windows(hf.SAMPLES, seed=1), compute_metrics=lambda p: {})
+    except Exception as e:  # noqa: BLE001
+        metrics = f"{type(e).__name__}: {e}"
+    return {"ddp": ddp, "sp": sp, "numel": hf.numel(), "metrics": metrics}

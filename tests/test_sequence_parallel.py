@@ -199,3 +199,18 @@ def test_a_checkpoint_saved_with_sequence_parallelism_loads_without(pool, tmp_pa
         assert r["load_errors"] == 0.0, r
         assert abs(r["loss"] - r["plain_loss"]) / (1 + abs(r["plain_loss"])) <= SGD_TOL, r
         assert r["errors"] <= adamw_tol(cases.ADAMW["lr"], 1), r
+
+
+def test_the_hugging_face_trainer_matches_ddp(pool, tmp_path):
+    """zerodp's Trainer with sequence_parallel_size=2: its loaders hand the group one batch
+    (twice the per-device batch, what DDP's two ranks read together), its token counts and
+    loss scale count the group once; the logged losses, gradient norms and the eval loss are
+    the plain Trainer's under DDP within test_hf_trainer's bounds. compute_metrics is refused."""
+    from test_hf_trainer import CHAIN_ROUNDING, check_against_ddp
+
+    for r in pool.run(2, cases.trainer_case, str(tmp_path), timeout_s=TIMEOUT_S):
+        wrong = check_against_ddp(r["sp"], r["ddp"], "fp32", r["numel"])
+        assert not wrong, wrong
+        want = r["ddp"]["eval_loss"][0]
+        assert abs(r["sp"]["eval_loss"][0] - want) <= CHAIN_ROUNDING * (1 + abs(want)), (r["sp"]["eval_loss"], want)
+        assert "compute_metrics" in r["metrics"] and "sequence_parallel_size=2" in r["metrics"], r["metrics"]

@@ -34,6 +34,9 @@ trainer state, RNG states, checkpoint rotation) to the Trainer:
   is scaled and token counts divided by the data-parallel size, and evaluation gathers one
   copy of each group's outputs. Its checkpoints are zerodp's under tensor parallelism
   (every process takes part in the staging and commit barriers).
+- sequence parallelism (`Config.sequence_parallel_size`): as tensor parallelism, a group reads
+  one batch (the loaders, token counts and evaluation's gathering above); compute_metrics
+  is refused (each rank's logits are its slice of the sequence).
 
 Mixed precision comes from `TrainingArguments(bf16=True)` / `fp16=True` (mapped to
 Config.mixed_precision); FSDP and torch.compile are refused.
@@ -163,28 +166,39 @@ class ZeroTrainerMixin:
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
-        tp, world = self.zerodp_config.tensor_parallel_size, self.args.world_size
+        tp, world = self._one_batch_group(), self.args.world_size
         if tp == 1:
             return
+        field = "tensor_parallel_size" if self.zerodp_config.tensor_parallel_size > 1 else "sequence_parallel_size"
         if world % tp:
-            raise ConfigError(f"zerodp_config.tensor_parallel_size={tp} does not divide the {world} processes of "
+            raise ConfigError(f"zerodp_config.{field}={tp} does not divide the {world} processes of "
                               f"this run: launch a multiple of {tp} processes, or choose a size that divides {world}")
+        if field == "sequence_parallel_size" and self.compute_metrics is not None:
+            raise ConfigError(f"zerodp_config.sequence_parallel_size={tp} with compute_metrics: each rank's logits "
+                              f"are its slice of the sequence, and gathering them whole is not built: evaluate the "
+                              f"loss only (compute_metrics=None)")
 
-    # -- tensor parallelism: one batch per tensor-parallel group -----------------------------------
+    # -- tensor and sequence parallelism: one batch per group --------------------------------------
+    def _one_batch_group(self) -> int:
+        """Consecutive ranks that read one batch: a tensor-parallel group, or a
+        sequence-parallel one ([Note: sequence-parallel inputs]; the two are not combined)."""
+        return self.zerodp_config.tensor_parallel_size * self.zerodp_config.sequence_parallel_size
+
     def get_tp_size(self) -> int:
         """The Trainer divides its token counts and scales the loss by this: the ranks of a
-        tensor-parallel group see one batch."""
-        return self.zerodp_config.tensor_parallel_size
+        tensor- or sequence-parallel group see one batch."""
+        return self._one_batch_group()
 
     def _data_parallel_place(self) -> tuple[int, int]:
-        """(rank, size) among the data-parallel ranks: tensor-parallel groups are consecutive
-        ranks (zerodp's [Note: tensor-parallel axis]), so global rank = dp rank x tp + tp rank."""
-        tp = self.zerodp_config.tensor_parallel_size
+        """(rank, size) among the groups that read their own batch: tensor- or sequence-parallel
+        groups are consecutive ranks (zerodp's [Note: tensor-parallel axis]), so global rank =
+        dp rank x group size + place in the group."""
+        tp = self._one_batch_group()
         return self.args.process_index // tp, self.args.world_size // tp
 
     def _get_dataloader(self, *args, **kwargs):
         loader = super()._get_dataloader(*args, **kwargs)
-        if self.zerodp_config.tensor_parallel_size > 1:
+        if self._one_batch_group() > 1:
             self._shard_by_data_parallel_rank(loader)
         return loader
 
@@ -218,7 +232,7 @@ class ZeroTrainerMixin:
         outputs: every rank of a group evaluated the same batch. The last batch is then cut to
         the dataset's remainder, as accelerate does (its remainder is counted over the
         data-parallel ranks, by the samplers above)."""
-        tp = self.zerodp_config.tensor_parallel_size
+        tp = self._one_batch_group()
         gathered = gather_object(input_data) if use_gather_object else self.accelerator.gather(input_data)
 
         def one_per_group(x):
@@ -254,7 +268,7 @@ class ZeroTrainerMixin:
         # The Trainer calls accelerator.backward(loss); zerodp's optimizer does the backward
         # (the fp16 loss scale, its accumulation window).
         self.accelerator.backward = self._zerodp_backward
-        if self.zerodp_config.tensor_parallel_size > 1:  # evaluation resets gather_function to this
+        if self._one_batch_group() > 1:  # evaluation resets gather_function to this
             self.accelerator.gather_for_metrics = self._gather_for_metrics
             self.gather_function = functools.partial(self._gather_for_metrics,
                                                      use_gather_object=self.args.eval_use_gather_object)
