@@ -100,7 +100,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False,
-                tiled=False):
+                tiled=False, on_host=False):
     """Train `name` at `stage` with sequence_parallel_size=`sp` for STEPS steps: per step the
     loss every rank returned and the mean over the groups, at the end every parameter,
     against the reference; the all-to-alls the ledger counted per step."""
@@ -109,7 +109,7 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
     model = build(name, attn)
     if checkpointing:  # Hugging Face's: each layer's forward, all-to-alls included, runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, tiled_loss=tiled)
+    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, tiled_loss=tiled, activations_on_host=on_host)
     model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
     comm = opt.comm
     group = rank // sp
@@ -128,7 +128,9 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
         want = dict(ref.named_parameters())
         errors = {n: rel(p.detach(), want[n].detach()) for n, p in model.named_parameters()}
     report = opt.memory_report()
-    return {"rank": rank, "checkpointing": checkpointing, "losses": losses, "group_losses": group_losses, "ref_losses": ref_losses,
+    store = opt.tensor_parallel.checkpoints if opt.tensor_parallel is not None else None
+    return {"rank": rank, "host_checkpoints": None if store is None else store.held_nbytes(),
+            "host_peak": 0 if store is None else store.peak_nbytes, "checkpointing": checkpointing, "losses": losses, "group_losses": group_losses, "ref_losses": ref_losses,
             "errors": errors, "a2a": a2a, "sp_rank": comm.topology.sp_rank, "shard_size": comm.shard_size,
             "params": report.params, "numel": sum(p.numel() for p in ref.parameters())}
 

@@ -103,6 +103,18 @@ def test_the_bundled_gpt(pool, stage, checkpointing):
     check([{**r, "name": "gpt"} for r in results], "sgd", 2, 2)
 
 
+def test_checkpoints_on_the_host(pool):
+    """activations_on_host beside sequence parallelism (stage 3, Hugging Face checkpointing): the
+    same results, and what the host keeps is each layer's input of this rank's slice,
+    [ROWS, SEQ/k, hidden] in fp32 for each of the 2 layers (half the whole sequence's)."""
+    results = pool.run(2, cases.parity_case, "llama", 3, "sgd", 2, "sdpa", True, True, False, True,
+                       timeout_s=TIMEOUT_S)
+    check([{**r, "name": "llama"} for r in results], "sgd", 2, 2)
+    for r in results:
+        assert r["host_peak"] == cases.LAYERS * cases.ROWS * (cases.SEQ // 2) * 32 * 4, r["host_peak"]
+        assert r["host_checkpoints"] == {"device": 0, "host": 0}  # all used and freed by the backward
+
+
 def test_four_ranks_two_groups_of_two(pool):
     """N=4: SP=2 x DP=2 at stage 3, sdpa, a padded batch; each group reads its own batch, the
     gradients are averaged over the two groups."""
