@@ -7,9 +7,10 @@ for every head: q, k, v of shape [B, H, s, D]. One all-to-all over ``sp`` sends 
 heads, [B, H/k, S, D], in sequence order (the pieces arrive by sender, and sender i holds
 the i-th slice of the sequence). Attention over the whole sequence runs there unchanged, per
 head; a second all-to-all, the first's reverse, brings each rank its own tokens of every
-head's output. The backward of each exchange is the other one. Per layer a rank sends
-3/k of its q, k, v and 1/k of its output (arXiv 2309.14509, §3.1): the volume per link stays
-constant when the sequence and k grow together.
+head's output. The backward of each exchange is the other one. Per layer a rank keeps 1/k
+of its q, k, v and output and sends the rest: (k-1)/k of 4 B (S/k) H D elements with as many
+kv as query heads (arXiv 2309.14509): the volume per link stays constant when the sequence
+and k grow together.
 
 Grouped-query attention: with Hkv key/value heads and Hkv divisible by k, rank j receives
 kv heads [j Hkv/k, (j+1) Hkv/k), exactly those its query heads [j H/k, (j+1) H/k) read

@@ -1,4 +1,4 @@
-"""Sequence-tiled logits and loss (ALST, arXiv 2506.13996 §3.2): a causal LM's head and
+"""Sequence-tiled logits and loss (ALST, arXiv 2506.13996): a causal LM's head and
 cross-entropy computed a tile of tokens at a time, so that no [tokens, vocab] tensor of a
 rank's sequence exists at once.
 
