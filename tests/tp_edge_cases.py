@@ -166,7 +166,13 @@ def nonfinite_run(rank: int, stage: int, how: str, clip, precision: str = "fp32"
     if handle is not None:
         handle.remove()
     out = {}
-    if stage == 0:  # the premise: which ranks hold a non-finite gradient before the step
+    if stage == 0 and precision == "fp16":
+        # Under fp16 p.grad is a handle (the flat gradient holds the loss-scaled value: [Note:
+        # torch's utilities on sharded gradients]); the premise reads this rank's unscaled masters.
+        opt.prepare_grads()
+        out["local_nonfinite"] = any(not torch.isfinite(m.grad).all() for m in opt.stepper.masters()
+                                     if m.grad is not None)
+    elif stage == 0:  # the premise: which ranks hold a non-finite gradient before the step
         out["local_nonfinite"] = any(not torch.isfinite(p.grad).all() for p in model.parameters()
                                      if p.grad is not None)
     out["norm"] = float(opt.clip_grad_norm_(1.0, norm_type=clip)) if clip is not None else None

@@ -133,8 +133,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.grad_sync.presence is not None:
             self.grad_sync.presence.access = self.grad_access
             # Where a rank's view of the flat gradient is not DDP's p.grad either: scaled by the
-            # fp16 loss scale, or a tensor-parallel slice.
-            if config.uses_loss_scaling or self.tensor_parallel is not None:
+            # fp16 loss scale. (Under tensor parallelism at stage 0 the view is this rank's slice
+            # of the reduced gradient, which loops read as such: it stays a view.)
+            if config.uses_loss_scaling:
                 self.grad_sync.presence.handles_when_final = True
 
     @property
