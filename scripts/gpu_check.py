@@ -100,10 +100,13 @@ class Reference:
         return loss.detach()
 
 
-def zero_step(model, opt, x, y):
+def zero_step(model, opt, x, y, torch_clip=False):
     _, loss = model(x, y)
     opt.backward(loss)
-    opt.clip_grad_norm_(CLIP)  # a scalar all-reduce of the shards' norms
+    if torch_clip:  # a DDP script's own clip: p.grad's handles answer it from the shards
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    else:
+        opt.clip_grad_norm_(CLIP)  # a scalar all-reduce of the shards' norms
     opt.step()
     opt.zero_grad()
     return loss.detach()
@@ -126,7 +129,7 @@ def make_zero(stage, precision, preset, device, born=False, **cfg_kwargs):
     return zerodp.initialize(model, torch.optim.AdamW, cfg, lr=LR)
 
 
-def check_case(stage, born, precision, args, device, tag="", **cfg_kwargs):
+def check_case(stage, born, precision, args, device, tag="", torch_clip=False, **cfg_kwargs):
     rank, preset = dist.get_rank(), "tiny"
     scale = FP16_SCALE if precision == "fp16" else 1.0
     extra = {"loss_scale": FP16_SCALE} if precision == "fp16" else {}
@@ -136,7 +139,7 @@ def check_case(stage, born, precision, args, device, tag="", **cfg_kwargs):
     loss_diff = 0.0
     for step in range(args.steps):
         x, y = batch(step, rank, cfg, args.rows, device)
-        a, b = zero_step(model, opt, x, y), ref.step(x, y)
+        a, b = zero_step(model, opt, x, y, torch_clip), ref.step(x, y)
         loss_diff = max(loss_diff, abs(float(a) - float(b)))
     # |a-b| / (1+|b|): relative for large elements, absolute near 0 (as tests/core_cases.py)
     mine, theirs = params_of(model), {n: p.detach().float() for n, p in ref.compute.named_parameters()}
@@ -388,6 +391,9 @@ def main():
     # zerodp.init (README's way), so a failure says which of the two paths broke.
     variants = [(0, False), (1, False), (2, False), (3, False), (3, True)]
     cases = [(f"{label(s, b)} {p}", check_case, s, b, p) for s, b in variants for p in ("bf16", "fp16")]
+    cases += [(f"{label(s, False)} {p} torch clip", lambda s, p, a, d: check_case(s, False, p, a, d, tag=" torch clip",
+                                                                               torch_clip=True), s, p)
+              for s in (1, 3) for p in ("bf16", "fp16")]
     cases += [(f"{label(s, False)} fp16 overflow", check_overflow_skip, s) for s in (0, 1, 2, 3)]
     cases += [(f"{label(s, False)} {p} DCP", check_dcp_round_trip, s, p) for s in (1, 3) for p in ("bf16", "fp16")]
     cases += [(f"{label(s, False)} {p} host offload", check_offload, s, p) for s in (2, 3) for p in ("bf16",)]

@@ -2,7 +2,8 @@
 # GPU smoke check: zerodp stages 0-3 x bf16/fp16 against torch DDP on every local GPU
 # (NCCL), the fp16 overflow skip, a DCP round trip of the DTensor state dicts, the optimizer
 # offloaded to pinned host memory (and stage 3's shards to host/disk, the delayed update),
-# ZeRO++'s quantization on the device, activation checkpoints on the host (and, with an even
+# torch's clip_grad_norm_ over the model's parameters, ZeRO++'s quantization on the device,
+# activation checkpoints on the host (and, with an even
 # number of GPUs, tensor parallelism with Pa and Pa+cpu), stage 3 compiled against eager (parity, step
 # time), and a stage-3 vs DDP
 # benchmark line; a few minutes.

@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from hf_trainer_cases import GRID  # noqa: E402
 from tp_slices import CHAIN_ROUNDING, sgd_bound  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,9 +113,8 @@ def check_against_ddp(got: dict, ddp: dict, precision: str, numel: int) -> list:
     return wrong
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("each", [True, False], ids=["reduce_each_micro_batch", "reduce_at_boundary"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage,each,precision", GRID,
+                         ids=[f"{s}-{'reduce_each_micro_batch' if e else 'reduce_at_boundary'}-{p}" for s, e, p in GRID])
 def test_trainer_grid_matches_ddp_s_trainer(grid, stage, each, precision):
     """The Trainer clears gradients with model.zero_grad(), never optimizer.zero_grad(): a
     gradient kept from one step into the next doubles the next step (every step here trains on

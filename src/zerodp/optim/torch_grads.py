@@ -72,16 +72,18 @@ class ShardGradAccess:
         all-reduce (|g|^p summed; the max for the inf-norm): exact whatever the shard boundaries."""
         opt = self.optimizer
         inf = math.isinf(norm_type)
+        # Each norm stays where its master is (no host sync per parameter); one stack moves them.
+        device = next((m.device for m in opt.stepper.masters()), opt.comm.device)
         local = []
         for k in range(len(self._names)):
             parts = [g.double() for g in self._grad_runs_at(k)]
             if not parts:
-                local.append(torch.zeros((), dtype=torch.float64))
+                local.append(torch.zeros((), dtype=torch.float64, device=device))
             elif inf:
-                local.append(torch.stack([g.abs().amax() for g in parts]).amax().cpu())
+                local.append(torch.stack([g.abs().amax() for g in parts]).amax().to(device))
             else:
                 local.append(sum((g.pow(2) if norm_type == 2 else g.abs().pow(norm_type)).sum()
-                                 for g in parts).cpu())
+                                 for g in parts).to(device))
         values = torch.stack(local).to(opt.comm.device)
         if not (opt.config.stage == 0 or opt.comm.shard_size == 1):
             opt.comm.all_reduce(values, "control", op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, axis="shard",
