@@ -351,13 +351,13 @@ class ZeroStrategy(DDPStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return self.zerodp_optimizer is None
 
-    def load_checkpoint(self, checkpoint_path) -> dict:
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:  # 2.6 passes it
         if not is_zerodp_checkpoint(checkpoint_path):
             if self.zerodp_optimizer is not None:
                 raise ValueError(f"{checkpoint_path} is not a checkpoint of zerodp's strategy (a directory with "
                                  f"{LIGHTNING_FILE} and {ZERODP_DIR}/): resume from one it saved, or load plain "
                                  f"weights into the model before fit")
-            return super().load_checkpoint(checkpoint_path)
+            return super().load_checkpoint(checkpoint_path, **({} if weights_only is None else {"weights_only": weights_only}))
         rest = read_lightning_file(self, checkpoint_path)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if self.zerodp_optimizer is not None and fitting:
@@ -438,13 +438,13 @@ class ZeroFabricStrategy(FabricDDPStrategy):
                 **{k: _SAVED[role] for k, role in keys.items()}}
         save_checkpoint_dir(self, path, self.zerodp_model, self.zerodp_optimizer, rest)
 
-    def load_checkpoint(self, path, state=None, strict: bool = True) -> dict:
+    def load_checkpoint(self, path, state=None, strict: bool = True, **kwargs) -> dict:
         keys = self._zerodp_keys(state) if isinstance(state, dict) else {}
         if not is_zerodp_checkpoint(path):
             if keys:
                 raise ValueError(f"{path} is not a checkpoint of zerodp's strategy (a directory with {LIGHTNING_FILE} "
                                  f"and {ZERODP_DIR}/): load plain weights into the model before fabric.setup")
-            return super().load_checkpoint(path, state, strict)
+            return super().load_checkpoint(path, state, strict, **kwargs)
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):
             raise ValueError("fabric.load_raw of zerodp's checkpoint: use fabric.load(path, {'model': model, ...})")
         rest = read_lightning_file(self, path)
