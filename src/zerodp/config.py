@@ -14,7 +14,7 @@ import torch
 
 from .config_values import (DTYPES, MAX_TIMEOUT_S, OFFLOAD_PLACES, QUANTIZED_BITS, ConfigError, bad_value,
                             check_positive_finite, check_positive_int, check_sequence_parallel, is_one_of,
-                            parse_config_text, shown, torchrun_ranks_per_node)
+                            parse_config_text, refuse_unless, shown, torchrun_ranks_per_node)
 from .policies import (BackwardPolicy, OffloadPolicy, PrecisionPolicy, StepPolicy, TensorParallelPolicy, UnitPolicy,
                        ZeroPPPolicy)
 
@@ -352,9 +352,11 @@ class Config:
             return
         ep = f"expert_parallel_size={self.expert_parallel_size}"
         # What does not compose with expert parallelism yet, each with its reason (docs/moe.md).
-        refused = [
-            ("stage", 0, f"stage 0 all-reduces every gradient over all ranks, while under {ep} an expert's "
-                         f"gradient is reduced over the ranks that hold that expert: use stage 1, 2 or 3"),
+        if self.stage == 0:
+            raise bad_value("stage", 0, f"stage 0 all-reduces every gradient over all ranks, while under {ep} an "
+                                        f"expert's gradient is reduced over the ranks that hold that expert: use "
+                                        f"stage 1, 2 or 3")
+        refuse_unless(self, [
             ("tensor_parallel_size", 1, f"tensor and expert parallelism over the same ranks are not built: use "
                                         f"tensor_parallel_size=1 with {ep}"),
             ("replicate_size", 1, f"hybrid sharding's replicate rows are not built beside the expert-parallel "
@@ -371,11 +373,7 @@ class Config:
                                         f"quantize_weights=False with {ep}"),
             ("quantize_grads", None, f"ZeRO++'s node axes are not built over the expert-data-parallel ranks: use "
                                      f"quantize_grads=None with {ep}"),
-        ]
-        for name, allowed, reason in refused:
-            value = getattr(self, name)
-            if (value != allowed) if name != "stage" else value == allowed:
-                raise bad_value(name, value, reason)
+        ])
 
     def _check_zeropp(self) -> None:
         if self.quantize_grads is not None and not is_one_of(self.quantize_grads, QUANTIZED_BITS):

@@ -12,7 +12,7 @@ import torch
 
 __all__ = ["ConfigError", "DTYPES", "MAX_FILE_DEPTH", "MAX_TIMEOUT_S", "OFFLOAD_PLACES", "QUANTIZED_BITS",
            "bad_value", "check_positive_finite", "check_positive_int", "check_sequence_parallel", "is_number",
-           "is_one_of", "parse_config_text", "shown", "torchrun_ranks_per_node", "too_deep"]
+           "is_one_of", "refuse_unless", "parse_config_text", "shown", "torchrun_ranks_per_node", "too_deep"]
 
 # Names accepted for a dtype, and the torch dtype each one means.
 DTYPES: dict[str, torch.dtype] = {
@@ -83,17 +83,22 @@ def check_positive_int(name: str, value: Any) -> None:
         raise bad_value(name, value, "use a positive integer")
 
 
+def refuse_unless(config: Any, allowed: list) -> None:
+    """Raise, naming the first field of `allowed` ((name, value, reason) each) whose value on
+    `config` is another: what a feature does not compose with yet."""
+    for name, value, reason in allowed:
+        if getattr(config, name) != value:
+            raise bad_value(name, getattr(config, name), reason)
+
+
 def check_sequence_parallel(config: Any) -> None:
     """Config.sequence_parallel_size and tiled_loss, and what does not run beside them yet,
     each with its reason (docs/long_context.md, "Not built")."""
     check_positive_int("sequence_parallel_size", config.sequence_parallel_size)
     if config.tiled_loss is True:
-        for name, allowed, reason in (("tensor_parallel_size", 1, "the tensor-parallel head splits the vocabulary "
-                                       "and computes its own loss"),
-                                      ("compile_units", False, "the tiles' checkpoints run inside the forward a "
-                                       "compiled unit would trace")):
-            if getattr(config, name) != allowed:
-                raise bad_value(name, getattr(config, name), f"{reason}: use {name}={allowed!r} with tiled_loss")
+        tiled = (("tensor_parallel_size", 1, "the tensor-parallel head splits the vocabulary and computes its own loss"),
+                 ("compile_units", False, "the tiles' checkpoints run inside the forward a compiled unit would trace"))
+        refuse_unless(config, [(n, v, f"{why}: use {n}={v!r} with tiled_loss") for n, v, why in tiled])
     if config.sequence_parallel_size == 1:
         return
     sp = f"sequence_parallel_size={config.sequence_parallel_size}"
@@ -105,9 +110,7 @@ def check_sequence_parallel(config: Any) -> None:
         ("compile_units", False, f"the attention's all-to-alls run inside the forward a compiled unit would trace: "
                                  f"use compile_units=False with {sp}"),
     ]
-    for name, allowed, reason in refused:
-        if getattr(config, name) != allowed:
-            raise bad_value(name, getattr(config, name), reason)
+    refuse_unless(config, refused)
 
 
 def parse_config_text(text: str, kind: str, path: str) -> Any:
