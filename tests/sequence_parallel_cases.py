@@ -100,17 +100,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False,
-                tiled=False, on_host=False):
+                tiled=False, on_host=False, tiled_mlp=False, units=()):
     """Train `name` at `stage` with sequence_parallel_size=`sp` for STEPS steps: per step the
     loss every rank returned and the mean over the groups, at the end every parameter,
-    against the reference; the all-to-alls the ledger counted per step."""
+    against the reference (untiled); the all-to-alls the ledger counted per step; with
+    `tiled_mlp`, the MLP tiles each layer computed."""
+    from zerodp.sequence_parallel.tiled_mlp import TiledMLP
+
     groups = world_size // sp
     ref, ref_losses = train_reference(name, attn, opt_name, groups, padded)
     model = build(name, attn)
     if checkpointing:  # Hugging Face's: each layer's forward, all-to-alls included, runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, tiled_loss=tiled, activations_on_host=on_host)
+    cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, tiled_loss=tiled, activations_on_host=on_host,
+                        tiled_mlp=tiled_mlp, **({"unit_modules": units} if units else {}))
     model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
+    mlps = [m.forward for m in model.modules() if isinstance(m.forward, TiledMLP)]
     comm = opt.comm
     group = rank // sp
     losses, group_losses, a2a = [], [], []
@@ -129,7 +134,9 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
         errors = {n: rel(p.detach(), want[n].detach()) for n, p in model.named_parameters()}
     report = opt.memory_report()
     store = opt.tensor_parallel.checkpoints if opt.tensor_parallel is not None else None
-    return {"rank": rank, "host_checkpoints": None if store is None else store.held_nbytes(),
+    return {"rank": rank, "mlp_tiles": [m.tiles_run for m in mlps], "units": [u.name for u in opt.stage3.units]
+            if getattr(opt, "stage3", None) is not None else [],
+            "host_checkpoints": None if store is None else store.held_nbytes(),
             "host_peak": 0 if store is None else store.peak_nbytes, "checkpointing": checkpointing, "losses": losses, "group_losses": group_losses, "ref_losses": ref_losses,
             "errors": errors, "a2a": a2a, "sp_rank": comm.topology.sp_rank, "shard_size": comm.shard_size,
             "params": report.params, "numel": sum(p.numel() for p in ref.parameters())}
@@ -225,6 +232,37 @@ def tiled_memory_case(rank, world_size, stage, tiled, vocab=4096, seq=256):
         after = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"peak": added.peak_nbytes, "loss": float(out.loss.detach()), "logits_nbytes": seq * vocab * 4,
             "params": after}
+
+
+def tiled_mlp_case(rank, world_size, stage, intermediate=1024, seq=256):
+    """One process, one Llama layer whose MLP is 32x its hidden size wide (the intermediate
+    dominates), one SGD step with and without the tiled MLP (the same initial weights and
+    batch): the peak tensor memory its forward and backward add, the loss and the parameters
+    after the step, and the tiles each forward ran."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerodp.memory.allocations import TensorAllocations
+    from zerodp.sequence_parallel.tiled_mlp import TiledMLP
+
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(7))
+    out = {"intermediate_nbytes": seq * intermediate * 4}
+    for tiled in (False, True):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                          tie_word_embeddings=False, attn_implementation="sdpa")
+        model, opt = zerodp.initialize(LlamaForCausalLM(cfg), torch.optim.SGD,
+                                       zerodp.Config(stage=stage, tiled_mlp=tiled), lr=0.1)
+        with TensorAllocations() as added:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        with zerodp.gathered_parameters(model):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tiles = [m.forward.tiles_run for m in model.modules() if isinstance(m.forward, TiledMLP)]
+        out["tiled" if tiled else "plain"] = {"peak": added.peak_nbytes, "loss": float(loss.detach()),
+                                              "params": params, "tiles": tiles}
+    return out
 
 
 def with_and_without_case(rank, world_size, name, stage, precision="bf16", micro_batches=1):

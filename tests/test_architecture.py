@@ -254,7 +254,7 @@ def test_config_refusals_live_with_the_config():
     combination on its own (ConfigErrors elsewhere concern a model or a trainer, not fields)."""
     allowed = {"zerodp.config", "zerodp.config_values", "zerodp.config_world", "zerodp.deepspeed_config", "zerodp.deepspeed_config.zero",
                "zerodp.deepspeed_config.optim", "zerodp.distributed.topology", "zerodp.tensor_parallel.plan", "zerodp.expert_parallel.plan",
-               "zerodp.sequence_parallel.inputs", "zerodp.sequence_parallel.tiled_loss",
+               "zerodp.sequence_parallel.inputs", "zerodp.sequence_parallel.tiled_loss", "zerodp.sequence_parallel.tiled_mlp",
                "zerodp.tensor_parallel.activations", "zerodp.integrations.hf", "zerodp.integrations.accelerate", "zerodp.demo.train"}
     raising = {name for name, tree in TREES.items()
                for called, _, _ in _calls_and_keywords(tree) if called == "ConfigError"}

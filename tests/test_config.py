@@ -15,7 +15,8 @@ FIELDS = {"stage", "mixed_precision", "reduce_dtype", "loss_scale", "initial_los
           "unit_modules", "unit_min_params", "reshard_after_forward", "prefetch_units", "debug",
           "hpz", "quantize_weights", "quantize_grads", "quantize_block_size", "offload_optimizer", "offload_params",
           "offload_dir", "delayed_update_after", "tensor_parallel_size", "partition_activations",
-          "activations_on_host", "expert_parallel_size", "sequence_parallel_size", "tiled_loss", "compile_units"}
+          "activations_on_host", "expert_parallel_size", "sequence_parallel_size", "tiled_loss", "tiled_mlp",
+          "compile_units"}
 
 
 def test_fields_are_pinned():

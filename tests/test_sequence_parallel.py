@@ -226,3 +226,75 @@ def test_the_hugging_face_trainer_matches_ddp(pool, tmp_path):
         want = r["ddp"]["eval_loss"][0]
         assert abs(r["sp"]["eval_loss"][0] - want) <= CHAIN_ROUNDING * (1 + abs(want)), (r["sp"]["eval_loss"], want)
         assert "compute_metrics" in r["metrics"] and "sequence_parallel_size=2" in r["metrics"], r["metrics"]
+
+
+# The tiled MLP against the untiled reference: a token's MLP output is computed by the same
+# ops on a tile's rows as on the whole sequence's; only each MLP weight's gradient is summed
+# in another order (one partial sum per tile, accumulated), and it is still a sum of the same
+# ROWS x SEQ token terms that SGD_TOL's K_TERMS counts: SGD_TOL holds as derived above.
+@pytest.mark.parametrize("name,stage,checkpointing,units", [
+    ("llama", 3, True, ("LlamaMLP", "LlamaDecoderLayer")),  # each MLP a stage-3 unit of its own
+    ("gpt", 2, False, ()),
+    ("llama", 1, False, ()),
+])
+def test_tiled_mlp_under_sequence_parallelism(pool, name, stage, checkpointing, units):
+    """tiled_mlp=True at N=2 SP=2: per step the untiled reference's losses, and its parameters.
+    With each MLP a unit of its own under Hugging Face checkpointing, the tiles' recomputation
+    (inside the layer's, inside backward) runs while the MLP's unit is gathered again: a
+    sharded weight would raise stage 3's guard or change the result."""
+    results = pool.run(2, cases.parity_case, name, stage, "sgd", 2, "sdpa", name == "gpt", checkpointing,
+                       tiled_mlp=True, units=units, timeout_s=TIMEOUT_S)
+    check([{**r, "name": name} for r in results], "sgd", 2, 2)
+    # Tiles per MLP forward: ceil(intermediate / hidden) = 2 (Llama's 64 / 32) and 4 (the GPT's
+    # 4 x 32 / 32) for ROWS x SEQ/2 = 16 tokens (recomputations in backward not counted).
+    tiles = (2 if name == "llama" else 4) * cases.STEPS
+    for r in results:
+        assert r["mlp_tiles"] == [tiles] * cases.LAYERS, r["mlp_tiles"]
+        if units:
+            assert sum(".mlp" in u for u in r["units"]) == cases.LAYERS, r["units"]
+
+
+# One process: the tiled MLP against the untiled one on the same weights and batch. The same
+# ops per token; each MLP weight's gradient summed as 32 tiles' partial sums instead of one
+# matmul: each element moves by at most SEQ_TOKENS u32 sum|terms| (sum|terms| <= GRAD_BOUND),
+# the SGD step (lr 0.1, no momentum) by lr times that: 0.1 x 256 x 6e-8 = 1.5e-6; x16 as above.
+MLP_TOKENS, MLP_LR = 256, 0.1
+MLP_TOL = 16 * MLP_LR * MLP_TOKENS * U32 * GRAD_BOUND
+
+
+# Peak memory of one step's forward and backward (a Llama layer whose MLP is 32x its hidden size
+# wide, 256 tokens, stage 3 at N=1): untiled, the MLP keeps gate, up, their activation and
+# product for backward, four [T, I] fp32 tensors (intermediate_nbytes each), and its backward
+# adds their gradients; tiled (32 tiles of 8 tokens), 1/32 of that at a time.
+def test_tiled_mlp_never_holds_the_whole_intermediate(pool):
+    r = pool.run(1, cases.tiled_mlp_case, 3, intermediate=1024, seq=MLP_TOKENS, timeout_s=TIMEOUT_S)[0]
+    plain, tiled, inter = r["plain"], r["tiled"], r["intermediate_nbytes"]
+    assert tiled["tiles"] == [32] and plain["tiles"] == [], (tiled["tiles"], plain["tiles"])
+    assert tiled["peak"] + 3 * inter <= plain["peak"], (tiled["peak"], plain["peak"], inter)
+    assert tiled["peak"] < 2 * inter, (tiled["peak"], inter)
+    assert abs(tiled["loss"] - plain["loss"]) / (1 + abs(plain["loss"])) <= MLP_TOL
+    worst = max(cases.rel(tiled["params"][n], p) for n, p in plain["params"].items())
+    assert worst <= MLP_TOL, worst
+
+
+@pytest.mark.parametrize("fields,name", [({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+                                         ({"expert_parallel_size": 2}, "expert_parallel_size"),
+                                         ({"compile_units": True}, "compile_units")])
+def test_tiled_mlp_refusals(fields, name):
+    with pytest.raises(zerodp.ConfigError, match="with tiled_mlp") as e:
+        zerodp.Config(tiled_mlp=True, **fields)
+    assert name in str(e.value)
+
+
+def test_tiled_mlp_refuses_models_it_cannot_tile():
+    import torch.nn as nn
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zerodp.sequence_parallel import apply_tiled_mlp
+
+    with pytest.raises(zerodp.ConfigError, match="no layer whose MLP.*use tiled_mlp=False"):
+        apply_tiled_mlp(nn.Sequential(nn.Linear(4, 4)))
+    moe = MixtralForCausalLM(MixtralConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=2))
+    with pytest.raises(zerodp.ConfigError, match="routes tokens to experts.*use tiled_mlp=False"):
+        apply_tiled_mlp(moe)

@@ -28,7 +28,8 @@ from .optim.optimizer import ShardedModel
 from .optim.inner import (OptimizerSpec, build_optimizer, check_elementwise, grouped_params, take_carried_state,
                           whole_param_flags)
 from .schedule.base import eager_hook
-from .sequence_parallel import apply_sequence_parallel, apply_tiled_loss, check_model as check_sequence_parallel_model
+from .sequence_parallel import apply_sequence_parallel, apply_tiled_loss, apply_tiled_mlp
+from .sequence_parallel import check_model as check_sequence_parallel_model
 from .schedule.compile import compile_forwards, drop_training_cache
 from .schedule.reducer import GradReducer
 from .schedule.stage3 import Stage3Engine
@@ -226,6 +227,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         sequence_parallel = apply_sequence_parallel(model, comm)
     if config.tiled_loss:  # after the sequence split, whose labels it reads: [Note: tiled logits and loss]
         apply_tiled_loss(model)
+    if config.tiled_mlp:  # [Note: tiled MLP]: inside each layer's call, so inside its stage-3 unit
+        apply_tiled_mlp(model)
 
     if config.stage == 3:
         sharded = shard_units(model, named, group_indices, comm, config.units, config.precision, config.offload,

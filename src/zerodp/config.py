@@ -12,7 +12,7 @@ from typing import Any, Mapping, Union
 
 import torch
 
-from .config_values import (DTYPES, MAX_TIMEOUT_S, OFFLOAD_PLACES, QUANTIZED_BITS, ConfigError, bad_value,
+from .config_values import (DTYPES, MAX_TIMEOUT_S, OFFLOAD_PLACES, QUANTIZED_BITS, ConfigError, bad_value, check_flags,
                             check_positive_finite, check_positive_int, check_sequence_parallel, is_one_of,
                             parse_config_text, refuse_unless, shown, torchrun_ranks_per_node)
 from .policies import (BackwardPolicy, OffloadPolicy, PrecisionPolicy, StepPolicy, TensorParallelPolicy, UnitPolicy,
@@ -190,6 +190,10 @@ class Config:
     """A Hugging Face causal LM's logits and loss computed in sequence tiles, each recomputed in backward: no
     [tokens, vocab] logits at once ([Note: tiled logits and loss]); the output's logits are then None."""
 
+    tiled_mlp: bool = False
+    """Each layer's MLP computed in sequence tiles, each recomputed in backward: no [tokens, intermediate] at once
+    ([Note: tiled MLP]); the results are unchanged. The tile size follows from the shapes, so it fits every length."""
+
     compile_units: bool = False
     """Compile the model with torch.compile, zerodp's hooks outside the compiled code
     (docs/compile.md): stage 3 compiles each unit's own forward (gathered, freed and reduced
@@ -232,10 +236,8 @@ class Config:
                          at_most=MAX_TIMEOUT_S)
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise bad_value("prefetch_units", self.prefetch_units, "use an integer >= 0")
-        for name in ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
-                     "hpz", "quantize_weights", "compile_units", "tiled_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad_value(name, getattr(self, name), "use true or false")
+        check_flags(self, ("cast_buffers", "overlap_comm", "reduce_each_micro_batch", "reshard_after_forward", "debug",
+                           "hpz", "quantize_weights", "compile_units", "tiled_loss", "tiled_mlp"))
         self._check_zeropp()
         self._check_tensor_parallel()
         self._check_expert_parallel()

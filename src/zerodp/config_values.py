@@ -11,8 +11,8 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["ConfigError", "DTYPES", "MAX_FILE_DEPTH", "MAX_TIMEOUT_S", "OFFLOAD_PLACES", "QUANTIZED_BITS",
-           "bad_value", "check_positive_finite", "check_positive_int", "check_sequence_parallel", "is_number",
-           "is_one_of", "refuse_unless", "parse_config_text", "shown", "torchrun_ranks_per_node", "too_deep"]
+           "bad_value", "check_flags", "check_positive_finite", "check_positive_int", "check_sequence_parallel",
+           "is_number", "is_one_of", "refuse_unless", "parse_config_text", "shown", "torchrun_ranks_per_node", "too_deep"]
 
 # Names accepted for a dtype, and the torch dtype each one means.
 DTYPES: dict[str, torch.dtype] = {
@@ -83,6 +83,13 @@ def check_positive_int(name: str, value: Any) -> None:
         raise bad_value(name, value, "use a positive integer")
 
 
+def check_flags(config: Any, names) -> None:
+    """Each field of `names` on `config` is true or false."""
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise bad_value(name, getattr(config, name), "use true or false")
+
+
 def refuse_unless(config: Any, allowed: list) -> None:
     """Raise, naming the first field of `allowed` ((name, value, reason) each) whose value on
     `config` is another: what a feature does not compose with yet."""
@@ -92,13 +99,21 @@ def refuse_unless(config: Any, allowed: list) -> None:
 
 
 def check_sequence_parallel(config: Any) -> None:
-    """Config.sequence_parallel_size and tiled_loss, and what does not run beside them yet,
-    each with its reason (docs/long_context.md, "Not built")."""
+    """Config.sequence_parallel_size, tiled_loss and tiled_mlp, and what does not run beside them
+    yet, each with its reason (docs/long_context.md, "Not built")."""
     check_positive_int("sequence_parallel_size", config.sequence_parallel_size)
+    compiled = ("compile_units", False, "the tiles' checkpoints run inside the forward a compiled unit would trace")
     if config.tiled_loss is True:
         tiled = (("tensor_parallel_size", 1, "the tensor-parallel head splits the vocabulary and computes its own loss"),
-                 ("compile_units", False, "the tiles' checkpoints run inside the forward a compiled unit would trace"))
+                 compiled)
         refuse_unless(config, [(n, v, f"{why}: use {n}={v!r} with tiled_loss") for n, v, why in tiled])
+    if config.tiled_mlp is True:
+        tiled = (("tensor_parallel_size", 1, "the tensor-parallel MLP all-reduces its output inside its forward, "
+                                             "which tiles would run once per tile, and again when recomputed"),
+                 ("expert_parallel_size", 1, "the expert-parallel MLP exchanges its tokens with the other ranks "
+                                             "inside its forward, and tiles would split one exchange into many"),
+                 compiled)
+        refuse_unless(config, [(n, v, f"{why}: use {n}={v!r} with tiled_mlp") for n, v, why in tiled])
     if config.sequence_parallel_size == 1:
         return
     sp = f"sequence_parallel_size={config.sequence_parallel_size}"
