@@ -35,7 +35,11 @@ trainer state, RNG states, checkpoint rotation) to the Trainer:
   copy of each group's outputs. Its checkpoints are zerodp's under tensor parallelism
   (every process takes part in the staging and commit barriers).
 - sequence parallelism (`Config.sequence_parallel_size`): as tensor parallelism, a group reads
-  one batch (the loaders, token counts and evaluation's gathering above); compute_metrics
+  one batch (the loaders, token counts and evaluation's gathering above), so the Trainer's
+  `num_items_in_batch` is the whole sequences' count of labelled tokens; a data collator that
+  pads to a multiple (`pad_to_multiple_of`: transformers' and TRL's) pads to one of k, which
+  leaves the loss unchanged; packed (padding-free) batches are split as
+  sequence_parallel/inputs.py says, and TRL's per-token outputs come back whole; compute_metrics
   is refused (each rank's logits are its slice of the sequence).
 
 Mixed precision comes from `TrainingArguments(bf16=True)` / `fp16=True` (mapped to
@@ -58,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import re
 import shutil
@@ -177,6 +182,23 @@ class ZeroTrainerMixin:
             raise ConfigError(f"zerodp_config.sequence_parallel_size={tp} with compute_metrics: each rank's logits "
                               f"are its slice of the sequence, and gathering them whole is not built: evaluate the "
                               f"loss only (compute_metrics=None)")
+        if field == "sequence_parallel_size":
+            self._pad_to_multiple_of(tp)
+
+    def _pad_to_multiple_of(self, k: int) -> None:
+        """Every batch's length must divide by k under sequence parallelism ([Note:
+        sequence-parallel inputs]): a collator that pads to a multiple pads to one of k too. Its
+        padding carries labels -100 and attention_mask 0 (padding-free: positions 0, each a
+        sample of its own), so the loss is the same; other collators' lengths are checked at
+        the forward, which names the fix."""
+        collator = self.data_collator
+        if not hasattr(collator, "pad_to_multiple_of"):
+            return
+        wanted = math.lcm(collator.pad_to_multiple_of or 1, k)
+        if wanted != collator.pad_to_multiple_of:
+            log.info("sequence_parallel_size=%d: %s pads to a multiple of %d tokens", k, type(collator).__name__,
+                     wanted)
+            collator.pad_to_multiple_of = wanted
 
     # -- tensor and sequence parallelism: one batch per group --------------------------------------
     def _one_batch_group(self) -> int:

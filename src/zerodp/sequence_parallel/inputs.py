@@ -11,11 +11,19 @@ root model cuts them before the model sees them: rank r keeps tokens [r S/k, (r+
   the split. The model's loss gets `shift_labels` (transformers' causal-LM loss uses them
   as they are) and `num_items_in_batch`, the whole sequence's count of labelled tokens
   (the caller's own, when it gives one): [Note: sequence-parallel loss] in loss.py.
-- position_ids: the caller's, cut; else positions 0..S-1 of the whole sequence, cut. Packed
-  samples (position_ids restarting inside a row) are refused: the mask built is causal.
+- position_ids: the caller's, cut (each sample's own positions); else positions 0..S-1 of
+  the whole sequence, cut.
+- packed samples (padding-free batches: TRL's, transformers' DataCollatorWithFlattening): a
+  sample starts wherever the whole row's position_ids do not count up by one (transformers'
+  own rule, masking_utils.find_packed_sequence_indices). Attention stays inside a sample: the
+  whole sequence's mask is causal and block-diagonal by sample. No label crosses a sample:
+  the shifted label of a sample's last token is ignored (the collators already give -100 at
+  each sample's first token, so for them this changes nothing).
 - attention_mask: a 2-D padding mask is kept whole; the model gets none, and the mask function
-  registered for it returns the whole sequence's (causal and padding) instead of its slice's,
-  which the model hands every layer's attention (attention.py); 4-D masks are refused.
+  registered for it returns the whole sequence's (causal, by sample, and padding) instead of
+  its slice's, which the model hands every layer's attention (attention.py); 4-D masks are
+  refused. Padded or packed, the mask is one boolean [B, 1, S, S] per forward (an additive one
+  for eager): S^2 per row, as the model's own mask for eager and sdpa's math kernel.
 - a length not divisible by k is refused (pad the batch to a multiple of k).
 - use_cache is turned off: a cache would hold this rank's slice's keys only.
 
@@ -24,7 +32,9 @@ Before the split, the ranks of the group compare a fingerprint of what they were
 rank fed another batch raises on every rank instead of training on a mixture.
 
 A forward hook then replaces the output's loss by the whole sequence's. The output's logits
-are this rank's slice of the sequence.
+are this rank's slice of the sequence; its per-token values ([B, S/k] tensors: the log-probs,
+entropies and label mask of TRL's fused LM head, from which TRL's trainers compute their loss
+and metrics) are gathered whole, [B, S] ([Note: sequence-parallel loss]).
 """
 from __future__ import annotations
 
@@ -42,7 +52,7 @@ from ..distributed import Comm
 from ..tensor_parallel.inputs import InputFingerprint
 from .attention import UlyssesAttention
 from .gpt import GPTSequenceInputs, is_bundled_gpt
-from .loss import sum_over_sequence
+from .loss import gather_over_sequence, sum_over_sequence
 
 __all__ = ["SequenceInputs", "SequenceParallelModel", "apply_sequence_parallel", "check_model"]
 
@@ -60,7 +70,8 @@ class SequenceInputs:
         self.k, self.rank = comm.topology.sp_size, comm.topology.sp_rank
         self.signature = inspect.signature(forward)
         self.padding: Optional[torch.Tensor] = None  # [B, S] of the current forward
-        self.length = 0
+        self.samples: Optional[torch.Tensor] = None  # [B, S] sample index of each token, when packed
+        self.batch, self.length = 0, 0
         self._masks: dict = {}
         self.model_builds_mask = False  # the model asked for its mask through the registry
         self.splits = 0  # forwards split
@@ -87,23 +98,23 @@ class SequenceInputs:
             raise ValueError(f"sequence parallelism takes a 2-D attention_mask [batch, tokens]; got {mask.dim()}-D: "
                              f"pass the padding mask, or position_ids for packed sequences")
         self.padding = None if mask is None or bool(mask.all()) else mask.to(torch.bool)
-        self.length, self._masks = length, {}
+        self.batch, self.length, self._masks = batch, length, {}
         for name in ("input_ids", "inputs_embeds"):
             if named.get(name) is not None:
                 named[name] = self._slice(named[name])
         positions = named.get("position_ids")
-        if positions is not None and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
-            raise ValueError("position_ids that do not count up by one (packed samples restarting inside a row) "
-                             "are not built under sequence parallelism: the attention's mask stays causal over the "
-                             "whole row; pad each sample to a row of its own")
         if positions is None:
-            positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, length)
+            positions = torch.arange(length, device=tokens.device).unsqueeze(0)
+        positions = positions.reshape(-1, length).expand(batch, length)
+        self.samples, starts = _samples(positions)
         named["position_ids"] = self._slice(positions)
         labels = named.get("labels")
         shift = named.pop("shift_labels", None)
         if labels is not None or shift is not None:
             if shift is None:
                 shift = torch.cat([labels[:, 1:], labels.new_full((batch, 1), _IGNORE)], dim=1)
+                if starts is not None:  # a sample's last token does not predict the next sample's first
+                    shift[:, :-1] = shift[:, :-1].masked_fill(starts, _IGNORE)
             if named.get("num_items_in_batch") is None:
                 named["num_items_in_batch"] = (shift != _IGNORE).sum()
             named["shift_labels"] = self._slice(shift)
@@ -114,10 +125,14 @@ class SequenceInputs:
         return (), named
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        loss = output.get("loss") if isinstance(output, dict) else None
-        if loss is None:
+        if not isinstance(output, dict):
             return output
-        output["loss"] = sum_over_sequence(loss, self.comm)
+        if output.get("loss") is not None:
+            output["loss"] = sum_over_sequence(output["loss"], self.comm)
+        sliced = (self.batch, self.length // self.k)
+        for name, value in output.items():  # per-token values: the whole sequence's
+            if name != "loss" and isinstance(value, torch.Tensor) and tuple(value.shape) == sliced:
+                output[name] = gather_over_sequence(value, self.comm)
         return output
 
     def model_mask(self, base: str, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -128,16 +143,19 @@ class SequenceInputs:
         return self.mask(base, dtype, device)
 
     def mask(self, base: str, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-        """The whole sequence's attention mask for `base`: None for sdpa without padding (its
-        causal kernel), a boolean [B, 1, S, S] (True: attend) for sdpa with padding, an
-        additive one in `dtype` for eager; built once per forward."""
+        """The whole sequence's attention mask for `base`: None for sdpa without padding or
+        packing (its causal kernel), a boolean [B, 1, S, S] (True: attend) for sdpa with either,
+        an additive one in `dtype` for eager; built once per forward."""
         key = (base, dtype, device)
         if key not in self._masks:
-            if base == "sdpa" and self.padding is None:
+            if base == "sdpa" and self.padding is None and self.samples is None:
                 self._masks[key] = None
             else:
                 n = self.length
                 allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
+                if self.samples is not None:  # block-diagonal: a token attends within its own sample
+                    samples = self.samples.to(device)
+                    allowed = allowed & (samples[:, None, :, None] == samples[:, None, None, :])
                 if self.padding is not None:
                     allowed = allowed & self.padding.to(device)[:, None, None, :]
                 if base == "eager":
@@ -145,6 +163,17 @@ class SequenceInputs:
                     allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, low)
                 self._masks[key] = allowed
         return self._masks[key]
+
+
+def _samples(positions: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Packed samples in rows of `positions` [B, S]: a sample starts where the positions do not
+    count up by one. Returns (the sample index of each token [B, S], whether token t+1 starts a
+    sample [B, S-1]), or (None, None) when every row is one sample."""
+    starts = positions.diff(dim=-1) != 1
+    if not bool(starts.any()):
+        return None, None
+    index = torch.cat([torch.zeros_like(positions[:, :1]), starts.to(positions.dtype).cumsum(-1)], dim=-1)
+    return index, starts
 
 
 @dataclass(frozen=True)
