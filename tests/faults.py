@@ -67,6 +67,9 @@ def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: i
                 if len(pids) == nproc and _latest_step(ckpt_dir) > after:
                     break
                 time.sleep(0.005)
+            # Chosen before the wait: listing the workers walks /proc, long enough on a busy
+            # machine for a save of the tiny model to finish between seeing it and the kill.
+            victim = rng.choice(pids)
             if kind == "save":
                 while not _saving(ckpt_dir, left):
                     _over(deadline, proc, what, kills)
@@ -76,10 +79,10 @@ def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: i
                 while _saving(ckpt_dir, left):
                     _over(deadline, proc, what, kills)
                     time.sleep(0.0005)
-            victim = rng.choice(worker_pids(proc.pid) or pids)
-            step = _latest_step(ckpt_dir)
             os.kill(victim, signal.SIGKILL)
-            kills.append({"kind": kind, "latest_before": step, "was_saving": _saving(ckpt_dir, left)})
+            # Read after the kill, which leaves the save it hit incomplete: the newest before it.
+            kills.append({"kind": kind, "was_saving": _saving(ckpt_dir, left)})
+            step = kills[-1]["latest_before"] = _latest_step(ckpt_dir)
             left |= {n for n in os.listdir(ckpt_dir) if ".tmp-" in n}
             after = step
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))

@@ -37,9 +37,12 @@ LR = {"fp32": 0.5, "bf16": 0.0}
 MAX_NORM = 10.0
 STAGES = (0, 1, 2, 3)
 # Stages 0-1 reduce once per window whatever reduce_each_micro_batch says (the engine's own
-# rule): one run each; the flag is a grid axis at stages 2-3 only.
-GRID = tuple((stage, each, precision) for precision in ("fp32", "bf16") for stage in STAGES
-             for each in ((True, False) if stage >= 2 else (True,)))
+# rule): one run each; the flag is a grid axis at stages 2-3 only. bf16 runs the three ways
+# its gradients can travel: all-reduced once per window (stage 0; stage 1 is the same hook
+# with a reduce-scatter, run in fp32), kept in autograd's bf16 across micro-batches (stage 2
+# at the boundary) and reduced into shards every micro-batch (stage 3).
+FP32_GRID = tuple((stage, each, "fp32") for stage in STAGES for each in ((True, False) if stage >= 2 else (True,)))
+GRID = FP32_GRID + ((0, True, "bf16"), (2, False, "bf16"), (3, True, "bf16"))
 FAULT_STAGE = 1  # the checkpoint fault: a stage whose steps match DDP's whatever the engine's clearing
 
 

@@ -14,7 +14,10 @@ import torch.nn as nn
 import zerodp
 from zerodp.distributed.topology import forget_meshes
 
-TIMEOUT_S = 4.0
+# Every failure below waits out one timeout (and as long again for the peers' reports:
+# distributed/failure.py), so it is short; the healthy collectives between are of a few
+# hundred elements between two processes, milliseconds apart.
+TIMEOUT_S = 2.0
 
 
 class Blocks(nn.Module):

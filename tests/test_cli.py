@@ -79,31 +79,23 @@ def test_train_checkpoint_resume_and_export(tiny_run, tmp_path):
     GPT("tiny").load_state_dict(load_file(str(target)), strict=True)
 
 
-STAGE2_RUN = ["train", "--model", "tiny", "--nproc", 2, "--stage", 2, "--steps", 12, "--lr", "1e-2",
-              "--eval-every", 12, "--sample-tokens", 0]
-
-
-@pytest.fixture(scope="module")
-def plain_stage2(tmp_path_factory):
-    """The uninterrupted stage-2 run the restarted ones are compared with."""
-    out = tmp_path_factory.mktemp("plain2")
-    proc = zerodp_cmd(*STAGE2_RUN, "--ckpt-every", 4, "--out", out, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads((out / "summary.json").read_text())["losses"]
-
-
-def test_train_restarts_after_a_worker_dies_and_matches_the_uninterrupted_run(plain_stage2, tmp_path):
+def test_train_restarts_after_a_worker_dies_and_matches_the_uninterrupted_run(tiny_run, tmp_path):
     """torchrun's --max-restarts, passed through: rank 1 exits abruptly at step 6; the workers
     restart, resume from the newest complete checkpoint (step 4) and finish with the same
-    losses, bit for bit, as a run that never failed. keep_last leaves the 2 newest."""
-    failed = zerodp_cmd(*STAGE2_RUN, "--ckpt-every", 4, "--keep-last", 2, "--out", tmp_path / "failed",
-                        "--max-restarts", 1, "--simulate-failure-at", 6, timeout=200)
+    losses, bit for bit, as the run that never failed (tiny_run's: the same run but for how
+    often it saves and samples, which draw nothing from the training's RNG). keep_last leaves
+    the 2 newest."""
+    out, _, stage = tiny_run
+    failed = zerodp_cmd("train", "--model", "tiny", "--nproc", 2, "--stage", stage, "--steps", 24, "--lr", "1e-2",
+                        "--eval-every", 8, "--sample-tokens", 0, "--ckpt-every", 4, "--keep-last", 2,
+                        "--out", tmp_path / "failed", "--max-restarts", 1, "--simulate-failure-at", 6, timeout=200)
     assert failed.returncode == 0, failed.stderr[-5000:]
     assert "--simulate-failure-at 6: exiting abruptly" in failed.stderr
     assert "resumed from" in failed.stdout and "at step 4" in failed.stdout
     b = json.loads((tmp_path / "failed" / "summary.json").read_text())["losses"]
-    assert [s for s, _ in b] == list(range(12)) and plain_stage2 == b
-    assert sorted(os.listdir(tmp_path / "failed" / "ckpt")) == ["step_000008", "step_000012"]
+    reference = json.loads((out / "summary.json").read_text())["losses"]
+    assert [s for s, _ in b] == list(range(24)) and reference == b
+    assert sorted(os.listdir(tmp_path / "failed" / "ckpt")) == ["step_000020", "step_000024"]
 
 
 def torchrun_job(args: list, out, max_restarts: int) -> list:

@@ -113,7 +113,7 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | P
     does not have are an error. Raises before changing anything, on every rank."""
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     comm = ranks_of(optimizer)
-    splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
+    splits = splits_of(optimizer)
     masters, replicated, frozen, view = [], {}, [], None
     try:
         view = model_view(model, optimizer)

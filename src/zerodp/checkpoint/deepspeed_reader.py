@@ -52,10 +52,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..distributed.agreement import first_disagreement
 from . import background
-from .format import (CheckpointError, InvalidCheckpoint, PathLike, describe_error, frozen_runs, model_view,
-                     plain_module, raise_if_failed, restore_hyperparameters, write_replicated)
+from .format import (CheckpointError, InvalidCheckpoint, PathLike, frozen_runs, model_view, plain_module,
+                     read_on_every_rank, restore_hyperparameters, write_replicated)
 from .reader import name_mismatch
 from .tp_pieces import ranks_of
 
@@ -326,25 +325,18 @@ def load_deepspeed(path: PathLike, model: nn.Module, optimizer) -> dict:
     background.wait_in_flight(optimizer)
     comm = ranks_of(optimizer)
     path = os.path.abspath(os.fsdecode(os.fspath(path)))
-    ckpt = loaded = None
-    try:
+
+    def read():
         if optimizer.comm.topology.tp_size > 1:
             raise CheckpointError("DeepSpeed checkpoints are read without tensor parallelism (tensor_parallel_size=1)")
         ckpt = _open(path)
         loaded = _read_for_rank(ckpt, model, optimizer)
-        ms = ckpt.model_states
         names = hashlib.sha256("\0".join(sorted(ckpt.params)).encode()).hexdigest()
-        described = {"checkpoint": (os.path.basename(ckpt.folder), ms.get("global_steps"), ckpt.world, ckpt.stage,
-                                    names)}
-        local = {"ok": True, "described": described}
-    except Exception as e:  # noqa: BLE001 - [Note: validate, then write] in sharded.py
-        local = {"ok": False, "error": describe_error(e), "described": {}}
-    everyone = comm.all_gather_object(local, "checkpoint", label=f"load of DeepSpeed checkpoint {path}")
-    raise_if_failed(everyone, f"load of DeepSpeed checkpoint {path}")
-    differs = first_disagreement([r["described"] for r in everyone])
-    if differs:
-        raise CheckpointError(f"rank {comm.rank}: load of {path} refused, nothing was changed: the ranks read "
-                              f"different checkpoints: {differs}")
+        return (ckpt, loaded), {"checkpoint": (os.path.basename(ckpt.folder), ckpt.model_states.get("global_steps"),
+                                               ckpt.world, ckpt.stage, names)}
+
+    ckpt, loaded = read_on_every_rank(comm, read, f"load of DeepSpeed checkpoint {path}",
+                                      "every rank must read the same DeepSpeed checkpoint")
     _apply(ckpt, loaded, optimizer)
     ms = ckpt.model_states
     log.info("rank %d: loaded DeepSpeed checkpoint %s (step %s, ZeRO stage %d, %d ranks)", comm.rank, ckpt.folder,

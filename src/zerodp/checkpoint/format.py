@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..distributed.agreement import first_disagreement
 from ..memory.placement import Placement
 from ..sharding.frozen import FrozenSlice, frozen_slices
 from .tp_pieces import splits_of
@@ -221,6 +222,25 @@ def raise_if_failed(statuses: list, what: str) -> None:
         parts = [f"rank {', '.join(map(str, ranks))}: {err}" for err, ranks in errors.items()]
         raise CheckpointError(f"{what} failed on {sum(map(len, errors.values()))} of {len(statuses)} ranks; "
                               + " | ".join(parts))
+
+
+def read_on_every_rank(comm, read, what: str, fix: str):
+    """[Note: validate, then write] for a load: `read()` returns what this rank read and a
+    description of it every rank must share. Refused on every rank, before the caller changes
+    anything, if one rank failed or the ranks describe different things; `fix` ends that
+    message. Returns what `read` returned first."""
+    try:
+        loaded, described = read()
+        local = {"ok": True, "described": described}
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        loaded, local = None, {"ok": False, "error": describe_error(e), "described": {}}
+    everyone = comm.all_gather_object(local, "checkpoint", label=what)
+    raise_if_failed(everyone, what)
+    differs = first_disagreement([r["described"] for r in everyone])
+    if differs:
+        raise CheckpointError(f"rank {comm.rank}: {what} refused, nothing was changed: the ranks disagree on the "
+                              f"{differs}; {fix}")
+    return loaded
 
 
 def write_replicated(values: dict, targets: dict) -> None:

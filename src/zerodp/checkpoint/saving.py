@@ -151,7 +151,7 @@ def plan(path: str, model, optimizer, keep_last: Optional[int], extra: dict, asy
         json.dumps(extra)
         fileio.refuse_to_replace(path)  # on every rank, before anything is written or deleted
         slices, frozen = _slices_to_write(model, optimizer)
-        splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
+        splits = splits_of(optimizer)
         local = {"ok": True, "tmp": f"{path}{TMP_TAG}{save_id}", "arguments": arguments,
                  "pieces": [_piece(s, splits, split_rank(optimizer, s.name), s.group, s.states) for s in slices],
                  "frozen": [_piece(s, splits, split_rank(optimizer, s.name), dtype_name(s.dtype)) for s in frozen],

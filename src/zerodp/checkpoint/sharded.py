@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.agreement import describe_trained, first_disagreement
+from ..distributed.agreement import describe_trained
 from . import background, saving
 from .files import read_marker
 from .format import (
@@ -27,12 +27,11 @@ from .format import (
     CheckpointError,
     ModelView,
     PathLike,
-    describe_error,
     frozen_runs,
     model_view,
     plain_module,
-    raise_if_failed,
     rank_json,
+    read_on_every_rank,
     restore_hyperparameters,
     write_replicated,
 )
@@ -101,26 +100,20 @@ def load(path: PathLike, model: nn.Module, optimizer) -> dict:
     model = plain_module(model)  # a torch.compile'd model saves and loads as the module it wraps
     background.wait_in_flight(optimizer)
     comm = ranks_of(optimizer)
-    loaded, meta = None, None
-    try:
-        path, meta, files = open_checkpoint(path)
+
+    def read():
+        opened, meta, files = open_checkpoint(path)
         view = model_view(model, optimizer)
-        with Reader(path, files) as reader:
-            loaded = _read_for_rank(path, meta, files, reader, view, model, optimizer)
+        with Reader(opened, files) as reader:
+            loaded = _read_for_rank(opened, meta, files, reader, view, model, optimizer)
         # Every rank must read the same checkpoint (a `latest()` racing a save on a shared
         # filesystem can differ per rank; the path itself may differ between mounts) into
         # the same model: compared before anything changes.
-        described = {"checkpoint (sha256 of its metadata)": files[METADATA]["sha256"],
-                     **describe_trained(model, optimizer)}
-        local = {"ok": True, "described": described}
-    except Exception as e:  # noqa: BLE001 - see [Note: validate, then write]
-        local = {"ok": False, "error": describe_error(e), "described": {}}
-    everyone = comm.all_gather_object(local, "checkpoint", label=f"load of {path}")
-    raise_if_failed(everyone, f"load of {path}")
-    differs = first_disagreement([r["described"] for r in everyone])
-    if differs:
-        raise CheckpointError(f"rank {comm.rank}: load of {path} refused, nothing was changed: the ranks disagree "
-                              f"on the {differs}; every rank must load into the same model, optimizer and Config")
+        return (opened, meta, loaded), {"checkpoint (sha256 of its metadata)": files[METADATA]["sha256"],
+                                        **describe_trained(model, optimizer)}
+
+    path, meta, loaded = read_on_every_rank(comm, read, f"load of {path}",
+                                            "every rank must load into the same model, optimizer and Config")
     _apply(meta, loaded, optimizer)
     log.info("rank %d: loaded checkpoint %s (step %d, saved by %d ranks at stage %d)", comm.rank, path,
              meta["step"], meta["world_size"], meta["stage"])
@@ -167,7 +160,7 @@ def _read_for_rank(path, meta, files, reader: Reader, view: ModelView, model, op
                                   f"the optimizer has {differ[name]}{more}: load into an optimizer built with the "
                                   f"same param groups and hyperparameters as the saved one")
     check_hyperparameters(path, meta["param_groups"], optimizer.inner.param_groups)
-    splits, tp_rank = splits_of(optimizer), optimizer.comm.topology.tp_rank
+    splits = splits_of(optimizer)
     masters, states = [], []
     for s in slices:
         if s.numel == 0:

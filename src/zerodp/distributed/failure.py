@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CollectiveError", "FailureReport"]
 
-# How long a failing rank waits for the others' reports.
+# How long a failing rank waits for the others' reports, at most: one collective timeout
+# when that is shorter. A peer still inside a collective when ours timed out entered it less
+# than one timeout after ours began, so its own times out (and reports) within one timeout of
+# ours; a peer that reports nothing by then was outside every collective when ours failed.
 REPORT_WAIT_S = 5.0
 
 # Errors a collective call raises for its own arguments (a wrong tensor, an object that does
@@ -158,7 +161,7 @@ class FailureReport:
             prefixed.set(str(self.rank), json.dumps(mine))
             # One counter to poll, not every peer's key: N failing ranks make O(N) requests.
             reported = prefixed.add("reported", 1)
-            deadline = time.monotonic() + REPORT_WAIT_S
+            deadline = time.monotonic() + min(REPORT_WAIT_S, self.timeout_s or REPORT_WAIT_S)
             while reported < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.1)
                 reported = prefixed.add("reported", 0)
