@@ -103,10 +103,12 @@ class SequenceInputs:
             if named.get(name) is not None:
                 named[name] = self._slice(named[name])
         positions = named.get("position_ids")
+        self.samples, starts = None, None
         if positions is None:
-            positions = torch.arange(length, device=tokens.device).unsqueeze(0)
-        positions = positions.reshape(-1, length).expand(batch, length)
-        self.samples, starts = _samples(positions)
+            positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, length)
+        else:
+            positions = positions.reshape(-1, length).expand(batch, length)
+            self.samples, starts = _samples(positions)
         named["position_ids"] = self._slice(positions)
         labels = named.get("labels")
         shift = named.pop("shift_labels", None)
