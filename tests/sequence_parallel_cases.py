@@ -186,13 +186,6 @@ def refusal_case(rank, world_size):
                             attn_implementation="sdpa")
         zerodp.initialize(MistralForCausalLM(cfg), torch.optim.SGD, zerodp.Config(sequence_parallel_size=2), lr=0.1)
 
-    def packed():
-        model, _ = zerodp.initialize(build("llama", "sdpa"), torch.optim.SGD,
-                                     zerodp.Config(sequence_parallel_size=2), lr=0.1)
-        ids = torch.zeros(1, SEQ, dtype=torch.long)
-        positions = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).unsqueeze(0)
-        model(input_ids=ids, labels=ids, position_ids=positions)
-
     def different_batches():
         model, _ = zerodp.initialize(build("llama", "sdpa"), torch.optim.SGD,
                                      zerodp.Config(sequence_parallel_size=2), lr=0.1)
@@ -200,7 +193,6 @@ def refusal_case(rank, world_size):
 
     attempt("different", different_batches)
     attempt("window", sliding_window)
-    attempt("packed", packed)
     attempt("heads", odd_heads)
     attempt("kv_heads", odd_kv_heads)
     attempt("not_hf", not_hf)
