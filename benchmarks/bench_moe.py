@@ -2,14 +2,18 @@
 """Expert parallelism beside ZeRO on an MoE GPT at world size 4: DDP, FSDP2 (the expert banks
 gathered like any weight), zerodp stage 3 without expert parallelism, and with EP=2 and EP=4.
 
-    .venv/bin/python benchmarks/bench_moe.py --steps 5
+    .venv/bin/python benchmarks/bench_moe.py --steps 8 --repeat 3
 
 The model: Hugging Face's Mixtral decoder (a GPT with MoE feed-forward layers) of 4 layers,
 hidden 128, 8 experts of intermediate size 512 each, top-2 routing, the load-balancing loss on;
 its expert banks are 95% of its parameters. One torchrun launch of 4 processes per variant,
 one after another, OMP_NUM_THREADS=1, the same seed and fp32 AdamW(lr 1e-4), each rank its
-own batch of `--batch` sequences of `--seq` tokens per step. Reported per variant: the
-median step time (slowest rank, after the warm-up steps), the peak RSS of the largest rank,
+own batch of `--batch` sequences of `--seq` tokens per step (the same tokens in every
+variant). The variants run `--repeat` times, in turn, the order reversed every other round,
+so that each round's launches meet about the same load on a shared machine; a ratio is the
+median over the rounds of the ratio within a round (its range beside it). Reported per
+variant: the median step time (slowest rank, after the warm-up steps; the median over the
+rounds), the peak RSS of the largest rank,
 and the bytes a rank sends per step: zerodp's from its comm ledger (by op: the all-gathers
 and reduce-scatters of the units, the all-to-alls of the token dispatch), DDP's and FSDP2's
 by the same count from their parameters (DDP's all-reduce 2Ψ, FSDP2's two gathers and one
@@ -120,38 +124,53 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def render(records: dict, failures: dict, variants) -> str:
-    s3, fsdp2 = records.get("zerodp_s3"), records.get("fsdp2")
-    any_record = next(iter(records.values()), None)
+def paired(runs: list, base: list, key: str) -> str:
+    """The median over the rounds of runs[i][key] / base[i][key], and its range: "—" without
+    a round both finished."""
+    ratios = sorted(a[key] / b[key] for a, b in zip(runs, base) if a is not None and b is not None and b[key])
+    if not ratios:
+        return "—"
+    mid = f"{statistics.median(ratios):.2f}"
+    return mid if len(ratios) == 1 else f"{mid} ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+
+
+def render(rounds: dict, failures: dict, variants) -> str:
+    """`rounds`: variant -> its record in each round (None where it failed)."""
+    s3, fsdp2 = rounds.get("zerodp_s3", []), rounds.get("fsdp2", [])
+    any_record = next((r for runs in rounds.values() for r in runs if r is not None), None)
     lines = []
     if any_record:
         lines.append(f"Ψ = {any_record['psi']:,} parameters, experts {any_record['expert_fraction']:.1%} of them; "
-                     f"{WORLD} ranks, {any_record['batch']} x {any_record['seq']} tokens per rank per step")
+                     f"{WORLD} ranks, {any_record['batch']} x {any_record['seq']} tokens per rank per step, "
+                     f"{any_record['steps']} steps after {WARMUP} of warm-up, {len(s3) or 1} round(s)")
     lines += ["", "| variant | median step s | × stage 3 | × FSDP2 | peak RSS MiB/rank | × stage 3 "
                   "| MiB sent/rank/step | × stage 3 | of which all-to-all MiB |",
               "|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
-        r = records.get(v)
-        if r is None:
+        runs = rounds.get(v, [])
+        done = [r for r in runs if r is not None]
+        if not done:
             lines.append(f"| {v} | failed: {failures.get(v, '?')} | | | | | | | |")
             continue
-
-        def x(a, b):
-            return f"{a / b:.2f}" if b else "—"
+        r = done[0]
         a2a = r["by_op"].get("all_to_all")
-        lines.append(f"| {v} | {r['median_step_s']:.3f} | {x(r['median_step_s'], s3 and s3['median_step_s'])} "
-                     f"| {x(r['median_step_s'], fsdp2 and fsdp2['median_step_s'])} "
-                     f"| {r['peak_rss_max'] / 2**20:.0f} | {x(r['peak_rss_max'], s3 and s3['peak_rss_max'])} "
-                     f"| {r['sent_max'] / 2**20:.1f} | {x(r['sent_max'], s3 and s3['sent_max'])} "
+        step_s = statistics.median(x["median_step_s"] for x in done)
+        rss = max(x["peak_rss_max"] for x in done)
+        lines.append(f"| {v} | {step_s:.3f} | {paired(runs, s3, 'median_step_s')} "
+                     f"| {paired(runs, fsdp2, 'median_step_s')} "
+                     f"| {rss / 2**20:.0f} | {paired(runs, s3, 'peak_rss_max')} "
+                     f"| {r['sent_max'] / 2**20:.1f} | {paired(runs, s3, 'sent_max')} "
                      f"| {'' if a2a is None else f'{a2a / 2**20:.2f}'} |")
     lines += ["", "DDP's and FSDP2's bytes are their count (2Ψ, 3Ψ x 4 bytes), zerodp's its ledger's for the "
-                  "last step (largest rank)."]
+                  "last step (largest rank). Ratios: the median over the rounds of the ratio within a round, "
+                  "its range in brackets; peak RSS the largest over the rounds."]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of every variant, in alternating order")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=600)
@@ -173,18 +192,21 @@ def main() -> None:
     results.write_text("")
     log = out.with_suffix(".log")
     log.write_text(f"{uptime()}\n")
-    records, failures = {}, {}
-    for v in args.variants:
-        worker_args = ["--variant", v, "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
-                       str(args.seq), "--timeout", str(args.timeout), "--results", str(results)]
-        rec, err = run_variant(Path(__file__).resolve(), worker_args, args.timeout, results, log)
-        if rec is None:
-            failures[v] = err
-            print(f"[bench_moe] {v} failed: {err}")
-        else:
-            records[v] = rec
-    table = render(records, failures, args.variants)
-    out.write_text(f"# bench_moe\n\n`{' '.join(sys.argv)}` ({uptime()})\n\n{table}\n")
+    rounds, failures = {v: [] for v in args.variants}, {}
+    for i in range(args.repeat):
+        for v in (args.variants if i % 2 == 0 else reversed(args.variants)):
+            worker_args = ["--variant", v, "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
+                           str(args.seq), "--timeout", str(args.timeout), "--results", str(results)]
+            rec, err = run_variant(Path(__file__).resolve(), worker_args, args.timeout, results, log)
+            rounds[v].append(rec)
+            if rec is None:
+                failures[v] = err
+                print(f"[bench_moe] {v} failed: {err}")
+        with open(log, "a") as f:
+            f.write(f"round {i + 1} done: {uptime()}\n")
+    table = render(rounds, failures, args.variants)
+    started = log.read_text().splitlines()[0]
+    out.write_text(f"# bench_moe\n\n`{' '.join(sys.argv)}` (began: {started}; ended: {uptime()})\n\n{table}\n")
     print(table)
 
 

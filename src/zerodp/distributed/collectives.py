@@ -18,8 +18,8 @@ import torch.distributed as dist
 from .failure import CollectiveError, FailureReport, describe_record
 from .ledger import CommLedger, CommRecord
 
-__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives", "guarded",
-           "wire_tag"]
+__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives",
+           "exchange_counted_rows", "exchange_rows", "guarded", "wire_tag"]
 
 
 # [Note: gloo pairing]
@@ -36,7 +36,8 @@ __all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "defa
 #   phase, axis, and the unit or bucket it moves). A rank in another collective sends
 #   and waits under another tag: nothing pairs, both time out, and the failure report
 #   names where each rank was. Free: no message beyond the data.
-# - every other collective (all-reduce, broadcast, barrier, object gathers, all-to-all)
+# - all-to-alls on gloo are the same kind of tagged exchange ([Note: gloo all-to-all]);
+# - every other collective (all-reduce, broadcast, barrier, object gathers)
 #   is preceded by a 16-byte all-reduce of that checksum, labels aside (`agree_before`):
 #   ranks about to run different collectives find out there, together, and raise a
 #   CollectiveError naming what each was about to run. One more small message per such
@@ -276,6 +277,62 @@ class GlooCollectives(Collectives):
             for t in rest:
                 output.add_(t)
         return Works(works, then).finish(async_op)
+
+
+def _exchange(ins: tuple, outs: tuple, group: Optional[dist.ProcessGroup], tag: int, works: list,
+              send: bool = True, receive: bool = True) -> None:
+    """Post round k's messages for k = 1..n-1: ins[r+k] to rank r+k, outs[r-k] from rank
+    r-k (ranks of `group`); this rank's own piece is copied. An empty piece sends nothing."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    for k in range(1, n):
+        to, frm = (r + k) % n, (r - k) % n
+        if send and ins[to].numel():
+            works.append(dist.isend(ins[to].contiguous(), dist.get_global_rank(group, to), group=group, tag=tag))
+        if receive and outs[frm].numel():
+            works.append(dist.irecv(outs[frm], dist.get_global_rank(group, frm), group=group, tag=tag))
+    if receive:
+        outs[r].copy_(ins[r])
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def exchange_rows(output: torch.Tensor, input: torch.Tensor, output_splits: list, input_splits: list,
+                  group: Optional[dist.ProcessGroup], tag: int) -> None:
+    """[Note: gloo all-to-all]
+    An all-to-all-v along dim 0 on gloo is point-to-point messages tagged with the
+    collective's `wire_tag`, as its all-gathers are ([Note: gloo all-gather and
+    reduce-scatter]): in round k rank r's rows for rank r+k go out while rank r-k's land in
+    their slot of `output`. torch's `all_to_all_single` would need the agreement round
+    before it ([Note: gloo pairing]): a second message on which every rank of the group
+    waits for the others, per exchange; the tags make it unnecessary. Both sides of a pair
+    know its size (the caller's splits), so an empty piece sends no message.
+    `exchange_counted_rows` sends rows whose counts the receivers learn from it: the
+    counts and the rows leave together, and a rank waits once, for its peers' counts, then
+    for their rows, where a count exchange before the rows' would be a round of its own.
+    Either way each collective keeps its ledger record and its bytes."""
+    works: list = []
+    _exchange(input.split(list(input_splits)), output.split(list(output_splits)), group, tag, works)
+    _wait(works)
+
+
+def exchange_counted_rows(rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor,
+                          group: Optional[dist.ProcessGroup], count_tag: int, row_tag: int) -> torch.Tensor:
+    """`rows` in runs by destination, counts[j].sum() of them for rank j (`counts`: [n, m]
+    integers); rank j's `received[i]` gets this rank's counts[j]. Returns the rows received,
+    peer by peer. [Note: gloo all-to-all]."""
+    works: list = []
+    counts_in = []
+    _exchange(counts.unbind(0), received.unbind(0), group, count_tag, counts_in)
+    ins = rows.split(counts.sum(dim=1).tolist())
+    _exchange(ins, (), group, row_tag, works, receive=False)
+    _wait(counts_in)
+    out = rows.new_empty((int(received.sum()), *rows.shape[1:]))
+    _exchange(ins, out.split(received.sum(dim=1).tolist()), group, row_tag, works, send=False)
+    _wait(works)
+    return out
 
 
 def default_collectives(backend: Optional[str]) -> type[Collectives]:
