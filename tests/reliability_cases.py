@@ -18,6 +18,7 @@ from zerodp.distributed.topology import forget_meshes
 # distributed/failure.py), so it is short; the healthy collectives between are of a few
 # hundred elements between two processes, milliseconds apart.
 TIMEOUT_S = 2.0
+PEER_DIES_TIMEOUT_S = 30.0
 
 
 class Blocks(nn.Module):
@@ -44,14 +45,14 @@ class Tapered(nn.Module):
         return x
 
 
-def build(stage: int, accumulation: int = 1, model: nn.Module = None):
+def build(stage: int, accumulation: int = 1, model: nn.Module = None, timeout_s: float = TIMEOUT_S):
     # The previous case may have left one rank seconds behind the other (it was waiting out a
     # timeout); creating the next zerodp group waits for its peers only that long, so the
     # ranks meet first at a plain torch barrier (the default group, the harness's timeout).
     dist.barrier()
     forget_meshes()
     torch.manual_seed(0)
-    cfg = zerodp.Config(stage=stage, collective_timeout_s=TIMEOUT_S, unit_modules=(nn.Linear,) if stage == 3 else (),
+    cfg = zerodp.Config(stage=stage, collective_timeout_s=timeout_s, unit_modules=(nn.Linear,) if stage == 3 else (),
                         bucket_bytes=1024, grad_accumulation_steps=accumulation)
     return zerodp.initialize(Blocks() if model is None else model, torch.optim.SGD, cfg, lr=0.1)
 
@@ -215,7 +216,9 @@ def peer_dies_world(rank: int, world_size: int, result_path: str) -> None:
     from zerodp.distributed import failure
 
     failure.REPORT_WAIT_S = 1.0  # the only peer that could report is gone: no use waiting 5 s for it
-    model, opt = build(2)
+    # Nothing here waits out a timeout: a long one, so that freshly started processes are
+    # never failed by it, and a failure well inside it was not one.
+    model, opt = build(2, timeout_s=PEER_DIES_TIMEOUT_S)
     train_step(model, opt, rank, 0)
     if rank == 1:
         os._exit(0)
