@@ -1,7 +1,13 @@
-"""GPU smoke check: zerodp stages 0-3 x bf16/fp16 against torch DDP, the fp16 overflow skip,
-a DCP save/load round trip of the DTensor state dicts (stages 1 and 3), and a stage-3 vs DDP
-step-time/memory line. Launch with `bash scripts/gpu_check.sh`
-(torchrun, one process per GPU, NCCL); `--cpu` runs the same logic on gloo."""
+"""GPU smoke check: zerodp stages 0-3 x bf16/fp16 against torch DDP (built whole and born
+sharded, zerodp's clip and torch's), the fp16 overflow skip, a DCP save/load round trip of the
+DTensor state dicts (stages 1 and 3), the optimizer and stage 3's shards offloaded, the
+delayed update, ZeRO++'s quantization kernels, activation checkpoints on the host (and tensor
+parallelism with Pa, Pa+cpu), stage 3 compiled against eager; then, in gpu_check_parallel.py,
+against a one-process reference: sequence parallelism 2 with the tiled loss and MLP (even
+worlds), expert parallelism over every rank, and the stage-3 generation context with the
+weight stream; and a stage-3 vs DDP step-time/memory line. Launch with
+`bash scripts/gpu_check.sh` (torchrun, one process per GPU, NCCL); `--cpu` runs the same logic
+on gloo."""
 from __future__ import annotations
 
 import argparse
@@ -402,6 +408,9 @@ def main():
     cases += [("quantize kernels", check_quantize_kernels)]
     cases += [("checkpoint store", check_checkpoint_store)]
     cases += [("stage 3 bf16 compile_units", check_compile)]
+    # Imported here: gpu_check_parallel imports this module's helpers.
+    from gpu_check_parallel import parallel_cases
+    cases += parallel_cases(args)
     cases += [] if args.no_bench else [("bench", bench)]
     results = []
     for name, fn, *fn_args in cases:

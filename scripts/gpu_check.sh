@@ -3,10 +3,12 @@
 # (NCCL), the fp16 overflow skip, a DCP round trip of the DTensor state dicts, the optimizer
 # offloaded to pinned host memory (and stage 3's shards to host/disk, the delayed update),
 # torch's clip_grad_norm_ over the model's parameters, ZeRO++'s quantization on the device,
-# activation checkpoints on the host (and, with an even
-# number of GPUs, tensor parallelism with Pa and Pa+cpu), stage 3 compiled against eager (parity, step
-# time), and a stage-3 vs DDP
-# benchmark line; a few minutes.
+# activation checkpoints on the host (and, with an even number of GPUs, tensor parallelism
+# with Pa and Pa+cpu), stage 3 compiled against eager (parity, step time); against a
+# one-process reference (scripts/gpu_check_parallel.py): Ulysses sequence parallelism 2 with
+# the tiled loss and MLP (even GPU counts), expert parallelism over every GPU (two or more),
+# greedy rollouts in the stage-3 generation context and the weight stream; and a stage-3 vs
+# DDP benchmark line; a few minutes.
 #   bash scripts/gpu_check.sh            # one process per visible GPU
 #   bash scripts/gpu_check.sh --cpu      # the same checks on CPU, 2 processes, gloo
 # Other arguments go to scripts/gpu_check.py (--steps, --bench-model, --no-bench, ...).
