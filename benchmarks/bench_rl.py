@@ -17,13 +17,23 @@ of the prompt and completion, and one AdamW step (lr 1e-6).
   ddp          torch DistributedDataParallel; generation by the wrapped model
   zerodp3      zerodp.initialize(..., Config(stage=3)); `generate` as it runs today: every
                unit all-gathered at every forward, one forward per new token
-  zerodp3_ctx  the same inside `zerodp.generation_context(model, optimizer)`: each unit
-               gathered once per rollout and kept until it ends
+  zerodp3_ctx  the same inside `zerodp.generation_context(model, optimizer)`: every unit
+               gathered on entering it, once per rollout, and kept until it ends
 
 Every variant runs under its own torchrun (2 ranks, CPU/gloo, OMP_NUM_THREADS=1) through
-bench.py's launcher, one after another. Times are the slowest rank's, the median over the
-post-warm-up steps: the step, its generation, and the generation per new token. Peak RSS is
-VmHWM of the largest rank after the steps (before the stream is measured). Gathers per token
+bench.py's launcher, one after another, so a change of the machine's load between variants
+moves their ratios. `--paired` measures the generation ratio without that: one torchrun holds
+the DDP policy and the zerodp stage-3 policy (same init) and alternates their rollouts
+(ABBA order, `--rounds` rounds, the first a warm-up; no training step between them: the
+context gathers on every entry whatever the weights), reporting per round the slowest
+rank's wall time and process CPU time of each and their ratio, the median of the ratios,
+and the load (uptime) before and after:
+
+    .venv/bin/python benchmarks/bench_rl.py --paired        # DDP vs stage 3 in the context
+
+Times (variants) are the slowest rank's, the median over the post-warm-up steps: the step,
+its generation, and the generation per new token. Peak RSS is VmHWM of the largest rank
+after the steps (before the stream is measured). Gathers per token
 come from zerodp's comm ledger (all-gathers recorded during `generate`, per new token).
 
 Then, at stage 3 (both zerodp variants): one pass of `zerodp.iter_full_params(model,
@@ -35,6 +45,7 @@ mode slows what it watches), in units of the largest unit's gathered bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -49,6 +60,7 @@ from bench import WORLD_SIZE, _ratio, peak_rss_bytes, run_variant, uptime  # noq
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("ddp", "zerodp3", "zerodp3_ctx")
+PAIRED = "paired"  # the worker of --paired: DDP and zerodp3_ctx rollouts alternated in one world
 LR = 1e-6
 SEED = 1234
 # GPT-2 small: 124,439,808 parameters (tied embeddings).
@@ -90,8 +102,64 @@ def _loss(model, seqs, prompt_len: int, generations: int):
     return -(advantage * logp.sum(dim=1)).mean()
 
 
+def _rollout(policy, prompts, args, seed: int, context) -> dict:
+    """One rollout in `context`: wall seconds and the process's CPU seconds (every thread:
+    what this rank computed, gloo's transfers and page faults included, whatever else
+    shares the cores)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    torch.manual_seed(seed)
+    with torch.no_grad(), context:
+        policy.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0,
+                        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                        pad_token_id=policy.config.eos_token_id)
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def paired_worker(args) -> None:
+    """DDP's and zerodp stage 3's (in the generation context) rollouts alternated in one world."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zerodp
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    policy = _policy(args)
+    ddp = DDP(policy)  # DDP's generate is its module's: the wrapper only shows it is the same setup
+    model, opt = zerodp.initialize(_policy(args), torch.optim.AdamW, zerodp.Config(stage=3), lr=LR)
+    ledger = opt.comm.ledger
+    sides = {"ddp": (ddp.module, contextlib.nullcontext),
+             "zerodp3_ctx": (model, lambda: zerodp.generation_context(model, opt))}
+    rounds = []
+    for r in range(args.rounds):
+        prompts = _prompts(args, r, rank)
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        row = {}
+        for name in order:
+            before = len(ledger.current)
+            policy_, make = sides[name]
+            row[name] = _rollout(policy_, prompts, args, SEED + r, make())
+            row[name]["gathers"] = sum(x.op == "all_gather" for x in ledger.current[before:])
+        rounds.append(row)
+    everyone = [None] * ws
+    dist.all_gather_object(everyone, rounds)
+    if rank == 0:
+        per_round = [{name: {k: max(e[r][name][k] for e in everyone) for k in ("wall_s", "cpu_s")}
+                      | {"gathers": everyone[0][r][name]["gathers"]} for name in sides} for r in range(args.rounds)]
+        record = {"variant": PAIRED, "psi": sum(p.numel() for p in policy.parameters()), "world_size": ws,
+                  "args": vars(args), "rounds": per_round, "warmup": 1, "torch": torch.__version__}
+        with open(args.results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def worker(args) -> None:
-    import contextlib
 
     import torch
     import torch.distributed as dist
@@ -179,10 +247,10 @@ def _stream_figures(model, opt) -> dict:
         t0 = time.perf_counter()
         result = run()
         out[f"{name}_s"] = time.perf_counter() - t0
-        result = None
+        del result
         with TensorAllocations() as added:
-            result = run()
-        result = None  # noqa: F841 - held until here: full_state_dict's dict is its memory
+            result = run()  # held until the block ends: full_state_dict's dict is its memory
+        del result
         out[f"{name}_peak_nbytes"] = added.peak_nbytes
     return out
 
@@ -228,6 +296,28 @@ def render(records: dict, failures: dict, args) -> str:
     return "\n".join(lines)
 
 
+def render_paired(record: dict, args) -> str:
+    lines = [f"### Paired rollouts, GPT-2 policy, {args.layers} layers x {args.hidden} (Ψ = {record['psi']:,}, "
+             f"N = {record['world_size']})", "",
+             "| round | DDP wall s | ctx wall s | wall × DDP | DDP CPU s | ctx CPU s | CPU × DDP | ctx gathers |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    walls, cpus = [], []
+    for i, r in enumerate(record["rounds"]):
+        d, c = r["ddp"], r["zerodp3_ctx"]
+        wall, cpu = c["wall_s"] / d["wall_s"], c["cpu_s"] / d["cpu_s"]
+        if i >= record["warmup"]:
+            walls.append(wall)
+            cpus.append(cpu)
+        lines.append(f"| {i}{' (warm-up)' if i < record['warmup'] else ''} | {d['wall_s']:.3f} | {c['wall_s']:.3f} "
+                     f"| {wall:.3f} | {d['cpu_s']:.3f} | {c['cpu_s']:.3f} | {cpu:.3f} | {c['gathers']} |")
+    measured = record["rounds"][record["warmup"]:]
+    per_token = statistics.median(r["zerodp3_ctx"]["wall_s"] for r in measured) / args.new_tokens
+    lines += ["", f"Median over the post-warm-up rounds: wall {statistics.median(walls):.3f}× DDP, process CPU "
+              f"{statistics.median(cpus):.3f}× DDP; stage 3 in the context {per_token:.4f} s per new token. "
+              f"Wall and CPU: the slowest rank's, per rollout (the context's entry and exit included).", ""]
+    return "\n".join(lines)
+
+
 def parent(args) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"rl-{stamp}.md"
@@ -237,10 +327,11 @@ def parent(args) -> None:
     load_before = uptime()
     print(f"[bench_rl] {load_before}\n[bench_rl] results -> {results}, worker output -> {log_path}", flush=True)
     records, failures = {}, {}
-    for variant in args.variants:
+    for variant in ([PAIRED] if args.paired else args.variants):
         t0 = time.perf_counter()
         worker_args = ["--variant", variant, "--results", str(results), "--timeout", str(args.timeout)]
         worker_args += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in DEFAULTS]
+        worker_args += [f"--rounds={args.rounds}"]
         record, err = run_variant(script, worker_args, args.timeout, results, log_path)
         if err is not None:
             failures[variant] = err[:200].replace("|", "/")
@@ -257,7 +348,16 @@ def parent(args) -> None:
               f"{args.new_tokens} new tokens; {args.steps} steps ({args.warmup} warm-up). torch {torch.__version__}, "
               f"Python {platform.python_version()}, {os.cpu_count()} CPUs.", "",
               f"Load before: `{load_before}`  ", f"Load after: `{uptime()}`", ""]
-    text = "\n".join(header + [render(records, failures, args)])
+    if args.paired:
+        body = (render_paired(records[PAIRED], args) if PAIRED in records
+                else f"paired run failed: {failures.get(PAIRED)}\n")
+        header[4] = (f"World size {WORLD_SIZE} on CPU/gloo, OMP_NUM_THREADS=1, fp32; per rank {args.prompts} prompts "
+                     f"x {args.generations} completions, prompt {args.prompt_len} tokens, {args.new_tokens} new "
+                     f"tokens; {args.rounds} rounds (1 warm-up). torch {torch.__version__}, Python "
+                     f"{platform.python_version()}, {os.cpu_count()} CPUs.")
+    else:
+        body = render(records, failures, args)
+    text = "\n".join(header + [body])
     out.write_text(text)
     print("\n" + text)
     print(f"[bench_rl] wrote {out}")
@@ -269,17 +369,25 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short rollouts, to try the script")
     for k, v in DEFAULTS.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v}")
+    ap.add_argument("--paired", action="store_true",
+                    help="DDP's and the generation context's rollouts alternated in one world (module docstring)")
+    ap.add_argument("--rounds", type=int, default=7, help="--paired: rounds, the first a warm-up (default 7)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed per variant")
     ap.add_argument("--out", default=None, help="markdown output (default benchmarks/results/rl-<timestamp>.md)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=(*VARIANTS, PAIRED), help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     args = ap.parse_args()
     base = TINY if args.tiny else DEFAULTS
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    worker(args) if args.worker else parent(args)
+    if not args.worker:
+        parent(args)
+    elif args.variant == PAIRED:
+        paired_worker(args)
+    else:
+        worker(args)
 
 
 if __name__ == "__main__":

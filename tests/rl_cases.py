@@ -10,6 +10,7 @@ its sampling.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -147,14 +148,17 @@ NEW_TOKENS = 6
 
 
 def _rollout(model, opt, prompt, context=None, **kw) -> dict:
+    """One rollout, in `context` if given (its gathers on entry counted with the rollout's)."""
     ledger = opt.comm.ledger
     before = len(ledger.current)
-    with torch.no_grad():
+    with torch.no_grad(), context if context is not None else contextlib.nullcontext() as kept:
+        on_entry = sum(r.op == "all_gather" for r in ledger.current[before:])
         out = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                              output_scores=True, return_dict_in_generate=True, **kw)
+        kept_units = list(kept.units) if kept is not None else []
     gathers = [r for r in ledger.current[before:] if r.op == "all_gather"]
     return {"tokens": out.sequences.tolist(), "scores": torch.stack(out.scores), "gathers": len(gathers),
-            "gathered_numel": sum(r.numel for r in gathers)}
+            "on_entry": on_entry, "kept": kept_units, "gathered_numel": sum(r.numel for r in gathers)}
 
 
 def generation_case(rank: int, world_size: int) -> dict:
@@ -172,17 +176,27 @@ def generation_case(rank: int, world_size: int) -> dict:
         torch.manual_seed(5)
         today = _rollout(model, opt, prompt, **kw)
         torch.manual_seed(5)
-        with zerodp.generation_context(model, opt) as kept:
-            kept_run = _rollout(model, opt, prompt, **kw)
-            out[f"{kind}_kept_units"] = len(kept.units)
+        context = zerodp.generation_context(model, opt)
+        kept_run = _rollout(model, opt, prompt, context, **kw)
+        out[f"{kind}_kept_units"] = len(kept_run["kept"])
         torch.manual_seed(5)
-        with zerodp.generation_context(model, opt, max_gathered_bytes=units[0].full_nbytes) as kept:
-            budget = _rollout(model, opt, prompt, **kw)
-            out[f"{kind}_budget_units"] = len(kept.units)
-        out[kind] = {name: {"gathers": r["gathers"], "same_tokens": r["tokens"] == ref["tokens"],
-                            "same_scores": torch.equal(r["scores"], ref["scores"])}
+        budget = _rollout(model, opt, prompt, zerodp.generation_context(model, opt, max_gathered_bytes=out["block"]),
+                          **kw)
+        out[f"{kind}_budget_units"] = len(budget["kept"])
+        out[kind] = {name: {"gathers": r["gathers"], "on_entry": r["on_entry"], "same_tokens": r["tokens"] == ref[
+            "tokens"], "same_scores": torch.equal(r["scores"], ref["scores"])}
                      for name, r in (("today", today), ("kept", kept_run), ("budget", budget))}
+        out[f"{kind}_scores"] = kept_run["scores"]
     out["all_sharded_after"] = all(u.state.value == "sharded" for u in units)
+    # Memory: the pools' buffers while a block that keeps every unit is open, and after it.
+    pools = list({id(u.pool): u.pool for u in units}.values())
+    allocated = lambda: sum(p.allocated_nbytes for p in pools)  # noqa: E731
+    in_use = lambda: allocated() - sum(b.nbytes for p in pools for b in p.free)  # noqa: E731
+    before, in_use_before = allocated(), in_use()
+    with zerodp.generation_context(model, opt) as kept:
+        out["pool_inside"], out["kept_nbytes"] = in_use() - in_use_before, kept.nbytes
+        out["model_nbytes"] = sum(u.full_nbytes for u in units)
+    out["pool_after"], out["in_use_after"] = allocated() - before, in_use() - in_use_before
     # A training forward inside the block is refused before it gathers anything.
     try:
         with zerodp.generation_context(model, opt):
@@ -195,6 +209,12 @@ def generation_case(rank: int, world_size: int) -> dict:
     opt.backward(loss)
     opt.step()
     out["trains_after"] = bool(torch.isfinite(loss))
+    # The step changed every shard: the next block gathers the new values (nothing kept from
+    # the one before), as a rollout without the block does.
+    stepped = _rollout(model, opt, prompt, do_sample=False)
+    stepped_kept = _rollout(model, opt, prompt, zerodp.generation_context(model, opt), do_sample=False)
+    out["after_step"] = {"same_as_today": torch.equal(stepped_kept["scores"], stepped["scores"]),
+                         "changed": not torch.equal(stepped_kept["scores"], out["greedy_scores"])}
     return out
 
 

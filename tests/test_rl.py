@@ -62,12 +62,19 @@ def test_generation_context_gathers_once_per_rollout_not_per_token(pool):
             assert all(v["same_tokens"] and v["same_scores"] for v in g.values()), (kind, g)
             # Today: every unit once per forward, one forward per new token.
             assert g["today"]["gathers"] == units * NEW_TOKENS, g
-            # Kept: every unit once for the whole rollout.
-            assert g["kept"]["gathers"] == units and r[f"{kind}_kept_units"] == units, (g, r)
-            # A budget of one block's bytes: that block once, the others per token.
-            assert r[f"{kind}_budget_units"] == 1, r
+            # Kept: every unit once for the whole rollout, all of them on entering the block.
+            assert g["kept"]["gathers"] == g["kept"]["on_entry"] == units, g
+            assert r[f"{kind}_kept_units"] == units, r
+            # A budget of one block's bytes: the root (smaller here) once, on entry; the others
+            # per token.
+            assert r[f"{kind}_budget_units"] == 1 and g["budget"]["on_entry"] == 1, r
             assert g["budget"]["gathers"] == 1 + (units - 1) * NEW_TOKENS, g
         assert r["all_sharded_after"] and r["sharded_after_refusal"] and r["trains_after"], r
+        # Memory: the whole model gathered while the block is open, given back when it closes.
+        assert r["kept_nbytes"] == r["model_nbytes"] and r["pool_inside"] >= r["model_nbytes"], r
+        assert r["pool_after"] == r["in_use_after"] == 0, r
+        # A step between two blocks: the second sees the new weights (nothing kept across).
+        assert r["after_step"]["same_as_today"] and r["after_step"]["changed"], r["after_step"]
         assert "forward with gradients inside zerodp.generation_context" in r["training_forward"], r
 
 

@@ -190,6 +190,11 @@ class Stage3Engine(UnitUsage, UnitChecks, BackwardSchedule):
         self.units[ui].wait()
         self.units[ui].make_exact()
 
+    def start_gather(self, ui: int) -> None:
+        """Begin gathering unit `ui` as its forward would, without waiting: its next forward
+        (or its reshard) lands it. Every rank starts the same units in the same order."""
+        self._gather(ui, "forward", async_op=True)
+
     def _gather(self, ui: int, phase: str, async_op: bool, exact: bool = False) -> None:
         unit = self.units[ui]
         if unit.state is UnitState.SHARDED:
