@@ -47,6 +47,9 @@ N = 2
 # inside backward. Every way ("whole", the blocks before or after wrapping, "units") runs
 # once on the bundled GPT at stage 3, where the hooks gather and free; the other rows run
 # the ways their variable (a Hugging Face model, bf16, a checkpointing mode) can change.
+# Hugging Face's GPT-2 (a compile of it costs several of the bundled GPT's) runs the way
+# users are pointed to, "units", at stage 3 where the hooks act, in fp32 and in bf16 with
+# reentrant checkpointing; a Llama of 10 layers runs it below (one graph for every layer).
 GRID = [
     # (model, precision, stage, activation checkpointing, the compiled ways)
     ("gpt", "fp32", 0, "", ("whole", "units")),
@@ -55,8 +58,7 @@ GRID = [
     ("gpt", "bf16", 3, "", ("units",)),
     ("gpt", "fp32", 3, "non_reentrant", ("whole", "units")),
     ("gpt", "fp32", 3, "reentrant", ("blocks_after", "units")),
-    ("gpt2", "fp32", 0, "", ("units",)),
-    ("gpt2", "fp32", 3, "", ("whole", "units")),
+    ("gpt2", "fp32", 3, "", ("units",)),
     ("gpt2", "bf16", 3, "reentrant", ("units",)),
 ]
 
