@@ -8,9 +8,12 @@ the loss (V = 128k for Llama 3: 512 KiB a token, 4 GiB at 8k tokens), while the 
 states are [T, H] (H = 4k). With `Config.tiled_loss`, the model's output embedding (its LM
 head, an nn.Linear) computes the loss itself when labels were given: tiles of
 ceil(T / ceil(V / H)) tokens (so that a tile's logits are about the size of the hidden
-states), each tile's logits, upcast to fp32, and summed cross-entropy under a
-non-reentrant activation checkpoint, so that its logits are freed after the forward and
-recomputed, one tile at a time, in backward. The sum is divided by the labelled token count
+states), each tile's logits, upcast to fp32, and summed cross-entropy computed in an autograd
+Function that keeps only the hidden states, weight and labels: a tile's logits are freed once
+its loss is summed, and backward recomputes them one tile at a time, turns them into the
+gradient of the logits (softmax minus the label's one-hot) and adds that tile's weight
+gradient into one buffer, so that the head's gradient exists once, as untiled, rather than
+once more per tile beside the sum. The sum is divided by the labelled token count
 (the whole sequence's under sequence parallelism: [Note: sequence-parallel loss]), as
 transformers' causal-LM loss divides. The weight is used inside the head's own call, so
 stage 3 gathers it there and again for backward, as it does for the untiled head.
@@ -29,7 +32,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError
 
@@ -38,10 +40,44 @@ __all__ = ["TiledLoss", "apply_tiled_loss", "tiled_cross_entropy"]
 _IGNORE = -100
 
 
-def _tile_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               labels: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, labels, ignore_index=_IGNORE, reduction="sum")
+class _TiledLinearCrossEntropy(torch.autograd.Function):
+    """sum of cross_entropy(hidden @ weight.T + bias, labels) over tiles of rows: the forward
+    keeps no logits; the backward recomputes each tile's and adds its weight gradient into one
+    buffer ([Note: tiled logits and loss])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, tile_tokens: int):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], tile_tokens):
+            logits = F.linear(hidden[start: start + tile_tokens], weight, bias).float()
+            total += F.cross_entropy(logits, labels[start: start + tile_tokens], ignore_index=_IGNORE, reduction="sum")
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.tile_tokens = tile_tokens
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        grad_b = torch.zeros_like(bias) if want_b else None
+        for start in range(0, hidden.shape[0], ctx.tile_tokens):
+            h, y = hidden[start: start + ctx.tile_tokens], labels[start: start + ctx.tile_tokens]
+            # d(sum of cross-entropy)/d logits = softmax - one_hot(label), zero on ignored rows
+            d = F.linear(h, weight, bias).float().softmax(dim=-1)
+            kept = y != _IGNORE
+            rows = torch.arange(len(y), device=y.device)
+            d[rows[kept], y[kept]] -= 1.0
+            d[~kept] = 0.0
+            d = (d * grad).to(weight.dtype)
+            if want_h:
+                torch.mm(d, weight, out=grad_h[start: start + ctx.tile_tokens])
+            if want_w:
+                grad_w.addmm_(d.t(), h)
+            if want_b:
+                grad_b += d.sum(dim=0)
+        return grad_h, grad_w, grad_b, None, None
 
 
 def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -54,13 +90,10 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Option
     tokens = h.shape[0]
     if tile_tokens is None:
         tile_tokens = math.ceil(tokens / math.ceil(weight.shape[0] / h.shape[1]))
-    total = None
-    for start in range(0, tokens, max(1, tile_tokens)):
-        part = checkpoint(_tile_loss, h[start: start + tile_tokens], weight, bias, y[start: start + tile_tokens],
-                          use_reentrant=False)
-        total = part if total is None else total + part
-    if total is None:
+    if tokens == 0:
         total = h.sum() * 0.0
+    else:
+        total = _TiledLinearCrossEntropy.apply(h, weight, bias, y, max(1, tile_tokens))
     if torch.is_tensor(num_items):
         num_items = num_items.to(total.device)
     return total / num_items
