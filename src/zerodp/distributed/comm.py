@@ -15,8 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import (Collectives, check_device, default_collectives, exchange_counted_rows, exchange_rows,
-                          guarded, wire_tag)
+from .collectives import Collectives, check_device, default_collectives, exchange_rows, guarded, wire_tag
 from .failure import CollectiveError, FailureReport
 from .ledger import CommLedger, CommRecord
 from .sync_points import SyncPoints, leave_all
@@ -126,33 +125,6 @@ class Comm:
             return
         self._run(record, group, dist.all_to_all_single, output, input,
                   output_split_sizes=list(output_splits), input_split_sizes=list(input_splits))
-
-    def all_to_all_counted(self, rows: torch.Tensor, counts: torch.Tensor, phase: str, axis: str = "ep",
-                           label: str = "", counts_label: str = "") -> tuple:
-        """Rank i's `rows`, in runs of counts[j].sum() rows for each rank j of `axis`, to
-        their ranks, which learn the counts from the exchange: `counts` is an [axis size, m]
-        integer tensor (m runs per destination, e.g. its experts). Returns (the rows this
-        rank received, peer by peer; their counts as each peer sent them, [axis size, m]).
-        Recorded as two all-to-alls, the counts' (`counts_label`) and the rows' (`label`,
-        uneven); on gloo they leave together ([Note: gloo all-to-all] in collectives.py)."""
-        received = torch.empty_like(counts)
-        k = self.topology.size(axis)
-        if self.topology.backend != "gloo" or k == 1:
-            self.all_to_all(received, counts, [1] * k, [1] * k, phase, axis, counts_label, uneven=False)
-            splits = received.sum(dim=1).tolist()
-            out = rows.new_empty((sum(splits), *rows.shape[1:]))
-            self.all_to_all(out, rows, splits, counts.sum(dim=1).tolist(), phase, axis, label)
-            return out, received
-        self._check("all_to_all", rows, counts)
-        count_record = self.ledger.record("all_to_all", counts.numel(), counts.numel() * counts.element_size(),
-                                          phase, axis, counts_label)
-        record = self.ledger.record("all_to_all", rows.numel(), rows.numel() * rows.element_size(), phase, axis,
-                                    label, uneven=True)
-        out: list = []
-        guarded(record, self.failures, lambda: out.append(exchange_counted_rows(
-            rows.contiguous(), counts.contiguous(), received, self.topology.group(axis), wire_tag(count_record),
-            wire_tag(record))))
-        return out[0], received
 
     def all_gather_object(self, obj, phase: str = "control", label: str = "", axis: str = "data") -> list:
         """Every rank's small Python object (agreement, checkpoint metadata) on `axis`: the

@@ -9,14 +9,15 @@ order), which groups them by owning rank, since each rank holds a contiguous run
 experts ([Note: expert split] in plan.py). A first all-to-all of counts ([ep_size, E/k]
 per rank, the same size everywhere) tells each rank how many rows it gets for each of its
 experts from each peer; a second one (an all-to-all-v: its sizes differ between ranks)
-sends the rows. The two leave together (`Comm.all_to_all_counted`): a rank waits once for
-its peers, not once for the counts and again for the rows. The module's own forward then
-runs on what arrived, top-1 with unit weights and local expert ids, so each row is one
-expert's output; a third all-to-all, the second's reverse, brings them home, where they
-are unsorted, weighted by the router's top-k weights and summed per token: the same terms as the unsplit module's sum over its
-chosen experts (dropless: every pair is computed, none capped). Backward runs the reverse
-exchanges (`_AllToAll`), so the expert gradients hold the contributions of the tokens of
-all k ranks, and the router's weights get theirs on the token's own rank.
+sends the rows (on gloo both are tagged point-to-point messages: [Note: gloo all-to-all]
+in distributed/collectives.py). The module's own forward then runs on what arrived, top-1
+with unit weights and local expert ids, so each row is one expert's output; a third
+all-to-all, the second's reverse, brings them home, where they are put back in (token, k)
+order, weighted by the router's top-k weights and summed per token: the same terms as the
+unsplit module's sum over its chosen experts (dropless: every pair is computed, none
+capped). Backward runs the reverse exchanges (`_AllToAll`), so the expert gradients hold
+the contributions of the tokens of all k ranks, and the router's weights get theirs on the
+token's own rank.
 
 Every rank runs every exchange of every layer, in the same order, with or without tokens
 for a peer: a rank whose experts got no token runs them on one zero row, kept in the
@@ -48,24 +49,6 @@ class _AllToAll(torch.autograd.Function):
         return _reverse(ctx, grad), None, None, None, None
 
 
-class _SendToExperts(torch.autograd.Function):
-    """The rows to their experts' ranks with their counts ([Note: expert dispatch]); returns
-    (the rows received, their counts [ep_size, E/k]). Backward: the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, counts: torch.Tensor, comm: Comm, name: str):
-        out, received = comm.all_to_all_counted(rows, counts, "forward", label=f"{name} tokens",
-                                                counts_label=f"{name} counts")
-        ctx.comm, ctx.label = comm, f"{name} tokens"
-        ctx.splits = (received.sum(dim=1).tolist(), counts.sum(dim=1).tolist())
-        ctx.mark_non_differentiable(received)
-        return out, received
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, _):
-        return _reverse(ctx, grad), None, None, None
-
-
 def _reverse(ctx, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of an exchange's output, sent back the way its rows came."""
     out_splits, in_splits = ctx.splits
@@ -92,7 +75,11 @@ class ExpertDispatch:
         order = torch.sort(expert_ids, stable=True).indices
         send = hidden_states.reshape(tokens, hidden).index_select(0, order // top_k)
         counts = torch.bincount(expert_ids, minlength=self.num_experts).view(self.ep_size, self.local)
-        rows, received = _SendToExperts.apply(send, counts, self.comm, self.name)
+        received = torch.empty_like(counts)
+        self.comm.all_to_all(received, counts, [1] * self.ep_size, [1] * self.ep_size, "forward",
+                             label=f"{self.name} counts", uneven=False)
+        send_splits, recv_splits = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        rows = _AllToAll.apply(send, self.comm, recv_splits, send_splits, f"{self.name} tokens")
         # Rows arrive peer by peer, each peer's sorted by expert: the local id of each one.
         local_ids = torch.arange(self.local, device=counts.device).repeat(self.ep_size)
         local_ids = local_ids.repeat_interleave(received.reshape(-1), output_size=rows.shape[0]).unsqueeze(-1)
@@ -101,8 +88,7 @@ class ExpertDispatch:
                                      top_k_weights.new_ones((1, 1)))[:0]
         else:
             out = self.local_forward(rows, local_ids, top_k_weights.new_ones(local_ids.shape))
-        back = _AllToAll.apply(out, self.comm, counts.sum(dim=1).tolist(), received.sum(dim=1).tolist(),
-                               f"{self.name} outputs")
+        back = _AllToAll.apply(out, self.comm, send_splits, recv_splits, f"{self.name} outputs")
         # Each pair's row back in (token, k) order: the inverse of `order`, as a gather.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
