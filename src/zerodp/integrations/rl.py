@@ -9,7 +9,7 @@ zerodp prepares (`install_trl_seams`, called once the model is sharded):
   `generation_context`, so at stage 3 the units are gathered once per rollout rather than
   once per new token ([Note: kept for generation] in schedule/generation.py). Its budget follows
   TRL's own switch for ZeRO-3: `args.ds3_gather_for_generation=True` (the default) keeps
-  every unit the model runs, False keeps none (each forward gathers, as without the
+  the whole model gathered for the rollout, False keeps none (each forward gathers, as without the
   context); `trainer._dist.max_gathered_bytes` may be set to any byte budget between.
 - `trainer.vllm_generation._iter_named_params` (vLLM, colocated or a server): TRL's own
   gathers the whole PEFT base at once to merge it (trl #5766), or reads a sharded
