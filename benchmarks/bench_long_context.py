@@ -5,6 +5,7 @@ at stage 3 on 4 CPU ranks (gloo); and the step time per token at one common leng
 
     .venv/bin/python benchmarks/bench_long_context.py            # ~100M parameters
     .venv/bin/python benchmarks/bench_long_context.py --quick    # a small model: a smoke run
+    .venv/bin/python benchmarks/bench_long_context.py --model small --base-length 512
 
 The model: Hugging Face's Llama built from its config (hidden 768, 8 layers, 12 heads of which
 4 key/value heads (GQA), intermediate 2048, vocabulary 32000, untied head: 99.5M parameters),
@@ -20,9 +21,15 @@ variant then searches the longest L, a multiple of `--granularity`, whose step s
 it: a trial is one step at length L; its peak is the largest rank's VmHWM over the step, the
 high-water mark reset just before it (/proc/self/clear_refs) after the heap was trimmed
 (malloc_trim), so each trial's peak is its own in a process that keeps the model between
-trials. The search fits peak = a + b L through the trials so far (the first two at L0 k / 2
+trials; glibc's mmap threshold is fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_), so that each tensor
+over it is mapped on its own and returned when freed: RSS follows the tensors alive. The search fits peak = a + b L through the trials so far (the first two at L0 k / 2
 and L0 k, L0 the base length), tries the predicted longest L, and walks by the granularity
 until a length that fits sits next to one that does not (at most `--max-trials` trials).
+
+On this repository's 2-core machine the 100m shape's budget at a short L0 is set by a phase of
+the step that does not grow with L (benchmarks/RESULTS.md, "Long context"), and an L0 long
+enough for the activations to set it makes the search take hours: `--model small` (hidden
+256, 4 layers, vocabulary 8192) with `--base-length 512` runs in ~5 minutes here.
 
 Step time per token: one step at `--base-length` with SP rows in the batch, so that every
 variant trains the same 4 L0 tokens per step (4 / SP groups of SP rows each) and each rank
@@ -35,6 +42,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +53,8 @@ from bench import ROOT, run_variant, uptime  # noqa: E402
 WORLD = 4
 VARIANTS = ("sp1", "sp2", "sp4", "sp1_tiled", "sp2_tiled", "sp4_tiled")
 # (hidden, layers, heads, kv heads, intermediate, vocab)
-MODELS = {"100m": (768, 8, 12, 4, 2048, 32000), "quick": (128, 2, 4, 4, 352, 4096)}
+MODELS = {"100m": (768, 8, 12, 4, 2048, 32000), "small": (256, 4, 8, 4, 688, 8192),
+          "quick": (128, 2, 4, 4, 352, 4096)}
 
 
 # ============================================================================ worker side
@@ -238,13 +247,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small model and short lengths: a smoke run")
     ap.add_argument("--base-length", type=int, default=None, help="L0: SP=1's length that sets the budget")
     ap.add_argument("--granularity", type=int, default=None, help="lengths searched in multiples of this")
-    ap.add_argument("--max-trials", type=int, default=6)
+    ap.add_argument("--max-trials", type=int, default=8)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_context.md"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
-    ap.add_argument("--model", choices=sorted(MODELS), default="100m", help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=sorted(MODELS), default="100m",
+                    help="100m: the shape above; small: hidden 256, 4 layers, 8 heads (4 kv), vocabulary 8192")
     ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -258,7 +268,12 @@ def main() -> None:
     import bench
 
     bench.WORLD_SIZE = WORLD
-    model = "quick" if args.quick else "100m"
+    # glibc raises its mmap threshold to the size of the largest block freed (up to 32 MiB), after
+    # which freed tensors stay in the heap and a step's peak RSS depends on the layout earlier
+    # steps left: a fixed threshold maps every tensor over 128 KiB on its own and returns it when
+    # freed, so that RSS follows the tensors alive.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    model = "quick" if args.quick else args.model
     out = Path(args.out)
     if args.quick:
         out = out.with_name(out.stem + "_quick.md")
