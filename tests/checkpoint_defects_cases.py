@@ -204,6 +204,7 @@ def disagreeing_arguments_case(rank, world_size, root: str) -> dict:
                                                         asynchronous=rank == 0))}
     torch.distributed.barrier()
     out["listing"] = sorted(os.listdir(root))
+    torch.distributed.barrier()  # every rank has listed before any starts the next save's staging
     # The ranks are still paired: a save with agreeing arguments works.
     out["agreeing"] = error_of(lambda: zerodp.save(os.path.join(root, "c"), model, opt, keep_last=2))
     return out
