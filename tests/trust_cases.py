@@ -324,42 +324,42 @@ def memory_ledger(rank, world_size):
     # its process group): built here first by a throwaway initialize, so that a census run
     # before any other case does not count it as the engine's.
     zerodp.initialize(nn.Linear(2, 2), torch.optim.SGD, zerodp.Config(stage=1), lr=0.1)
-    # bf16 at N=2 only: the census is slow (every live object), and N=4 adds nothing bf16-specific.
-    precisions = (("fp32", 4, 0), ("bf16", 2, 4)) if world_size <= 2 else (("fp32", 4, 0),)
-    for precision, pbytes, master in precisions:
-        for stage in (0, 1, 2, 3):
-            # Where gradients live between micro-batches (reduce_each_micro_batch) does not
-            # depend on N: both at N = 2, the default at N = 4.
-            for each in ((True, False) if stage >= 2 and world_size <= 2 else (True,)):
-                cfg = zerodp.Config(stage=stage, mixed_precision=precision, unit_modules=[Block] if stage == 3 else [],
-                                    grad_accumulation_steps=2, reduce_each_micro_batch=each)
-                # The census walks every object in the process twice (seconds each): it runs
-                # where what the engine allocates differs in kind (every fp32 case at N=2; bf16's
-                # masters beside bf16 parameters at stage 3, with and without gradients held
-                # between micro-batches; N=4's smaller shards at stages 1 and 3). The ledger
-                # meets the formula in every case.
-                census = (precision == "fp32" or stage == 3) if world_size <= 2 else stage in (1, 3)
-                out[(precision, stage, each)] = _ledger_and_census(cfg, pbytes, master, world_size, census)
+    # What existed before is frozen out of the collector: the census walks only what the cases
+    # create (a worker that ran the rest of the suite tracks millions of objects, seconds a walk).
+    gc.collect()
+    gc.freeze()
+    try:
+        # bf16 at N=2 only: N=4 adds nothing bf16-specific.
+        precisions = (("fp32", 4, 0), ("bf16", 2, 4)) if world_size <= 2 else (("fp32", 4, 0),)
+        for precision, pbytes, master in precisions:
+            for stage in (0, 1, 2, 3):
+                # Where gradients live between micro-batches (reduce_each_micro_batch) does not
+                # depend on N: both at N = 2, the default at N = 4.
+                for each in ((True, False) if stage >= 2 and world_size <= 2 else (True,)):
+                    cfg = zerodp.Config(stage=stage, mixed_precision=precision,
+                                        unit_modules=[Block] if stage == 3 else [],
+                                        grad_accumulation_steps=2, reduce_each_micro_batch=each)
+                    out[(precision, stage, each)] = _ledger_and_census(cfg, pbytes, master, world_size)
+    finally:
+        gc.unfreeze()
     return out
 
 
-def _ledger_and_census(cfg, pbytes, master, world_size, census: bool):
-    if census:
-        gc.collect()
+def _ledger_and_census(cfg, pbytes, master, world_size):
+    gc.collect()
     model = gpt_tiny()
     # The storages (not the tensors: a parameter's .data is swapped) are held, so no address
     # of theirs can be reused by what initialize allocates.
     baseline: list = []
-    before = set(live_tensor_storages(hold=baseline)) if census else set()
+    before = set(live_tensor_storages(hold=baseline))
     model, opt = zerodp.initialize(model, torch.optim.AdamW, cfg, lr=1e-3)
     _micro_batches(model, opt, steps=1)
     after_step = opt.memory_report()
     _micro_batches(model, opt, steps=0, partial=True)  # micro-batch 1 of 2 of the next step
     mid = opt.memory_report()
     grads = [p.grad for p in model.parameters()]  # autograd's own gradients get a Python tensor
-    if census:
-        gc.collect()
-    live = {k: v for k, v in live_tensor_storages().items() if k not in before} if census else {}
+    gc.collect()
+    live = {k: v for k, v in live_tensor_storages().items() if k not in before}
     del grads
     held = Census()
     for holder, t in walk_tensors(opt):
@@ -376,8 +376,7 @@ def _ledger_and_census(cfg, pbytes, master, world_size, census: bool):
     del baseline
     return {"after_step": {k: getattr(after_step, k) for k in expect}, "expect": expect,
             "mid": {k: getattr(mid, k) for k in expect}, "held_unsharded": held_unsharded,
-            "other": dict(mid.other_by_owner), "ledger_total": mid.total,
-            "census_total": sum(live.values()) if census else None,
+            "other": dict(mid.other_by_owner), "ledger_total": mid.total, "census_total": sum(live.values()),
             "unheld": unheld[-5:], "unseen": unseen[-5:]}
 
 
