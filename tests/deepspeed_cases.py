@@ -73,7 +73,8 @@ def loss_of(model, x, y):
 
 def ds_config(stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+            "zero_optimization": {"stage": stage, "overlap_comm": False}, "steps_per_print": 10 ** 9,
+            "wall_clock_breakdown": False}
 
 
 def _start_deepspeed(rank: int, world: int):
