@@ -74,7 +74,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        n, r = comm.topology.tp_size, comm.topology.tp_rank
+        n = comm.topology.tp_size
         x = x.contiguous()
         full = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
         comm.collectives("tp").all_gather(full.view(-1), x.view(-1), "forward", label="tensor parallel logits")
