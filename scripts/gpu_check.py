@@ -94,16 +94,22 @@ class Reference:
     def step(self, x, y):
         _, loss = self.ddp(x, y)
         (loss * self.scale).backward()
-        for m, c in zip(self.master, self.compute.parameters()):
-            m.grad = c.grad.float() / self.scale
-        torch.nn.utils.clip_grad_norm_(self.master, CLIP)
-        self.opt.step()
-        self.opt.zero_grad()
-        self.compute.zero_grad()
-        with torch.no_grad():
-            for m, c in zip(self.master, self.compute.parameters()):
-                c.copy_(m)
+        master_step(self.master, self.compute, self.opt, self.scale)
         return loss.detach()
+
+
+def master_step(master, compute, opt, scale=1.0):
+    """The mixed-precision step of the references: the compute copy's gradients, unscaled, onto
+    the fp32 masters; torch's clip; AdamW; the masters copied back into the compute copy."""
+    for m, c in zip(master, compute.parameters()):
+        m.grad = None if c.grad is None else c.grad.float() / scale
+    torch.nn.utils.clip_grad_norm_(master, CLIP)
+    opt.step()
+    opt.zero_grad()
+    compute.zero_grad()
+    with torch.no_grad():
+        for m, c in zip(master, compute.parameters()):
+            c.copy_(m)
 
 
 def zero_step(model, opt, x, y, torch_clip=False):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import zerodp
 from zerodp.demo.models import GPT
 
-from gpu_check import CLIP, LOSS_TOL, LR, ULP, agree_max, log, make_zero, params_of, zero_step
+from gpu_check import CLIP, LOSS_TOL, LR, ULP, agree_max, log, make_zero, master_step, params_of, zero_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the models below are built from configs
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -145,15 +145,7 @@ class LocalReference:
     def step(self, batches: list) -> list:
         losses = [self.loss_fn(self.compute, b) for b in batches]
         (sum(losses) / len(losses)).backward()
-        for m, c in zip(self.master, self.compute.parameters()):
-            m.grad = None if c.grad is None else c.grad.float()
-        torch.nn.utils.clip_grad_norm_(self.master, CLIP)
-        self.opt.step()
-        self.opt.zero_grad()
-        self.compute.zero_grad()
-        with torch.no_grad():
-            for m, c in zip(self.master, self.compute.parameters()):
-                c.copy_(m)
+        master_step(self.master, self.compute, self.opt)
         return [float(loss.detach()) for loss in losses]
 
     def params(self) -> dict:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import zerodp
+from parity import rel_diff as rel
 
 STEPS = 3
 VOCAB, SEQ, ROWS = 64, 8, 2
@@ -85,10 +86,6 @@ def train_reference(name: str, opt_name: str, world_size: int, steps: int = STEP
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return ref, losses
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max()) if a.numel() else 0.0
 
 
 def own_view(model: nn.Module, ref: nn.Module, ep_size: int, ep_rank: int, banks: set) -> dict:

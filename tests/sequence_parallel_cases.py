@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import zerodp
+from parity import rel_diff as rel
 
 STEPS = 3
 VOCAB, SEQ, ROWS = 64, 16, 2
@@ -93,10 +94,6 @@ def train_reference(name, attn, opt_name, groups, padded):
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return ref, losses
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max()) if a.numel() else 0.0
 
 
 def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False,

@@ -5,9 +5,9 @@ for a parameter no backward reaches."""
 import math
 
 import pytest
-import torch
 
 import ddp_script_cases as cases
+from parity import rel_diff as rel
 from tolerances import U32
 
 N = 2
@@ -34,10 +34,6 @@ NORM_TOL = SGD_TOL / SGD_LR + 20 * U32
 # under any rounding difference (tolerances.adamw_tol), lr <= 0.03: this only catches gross
 # errors (a missing state, a wrong parameter), the SGD grid is the strict check.
 ADAMW_TOL = 2 * 0.03 * STEPS
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a.float() - b.float()).abs() / (1 + b.float().abs())).max())
 
 
 # SGD (the scale-sensitive check) at every stage; AdamW, nanoGPT's own, where its states are
