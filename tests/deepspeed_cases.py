@@ -178,6 +178,34 @@ def schedule_lrs(scheduler_class, params: dict) -> list:
     return lrs
 
 
+def torch_continuation(saved: dict, world: int) -> list:
+    """The CONTINUE steps after the load as torch computes them in one process from the state
+    DeepSpeed saved (`saved`: name -> (master, states), read through DeepSpeed's own API): torch's
+    AdamW with Adam's step at SAVE_AT, the gradient formed as `world` data-parallel ranks form it
+    (each rank's mean over its micro-batches, then the mean over ranks). The parameters after each
+    step, by name."""
+    model = Net(seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(saved[name][0])
+    optimizer = torch.optim.AdamW(groups(model))
+    for name, p in model.named_parameters():
+        optimizer.state[p] = {"step": torch.tensor(float(SAVE_AT)),
+                              **{k: saved[name][1][k].clone().view(p.shape) for k in STATE_KEYS}}
+    params = []
+    for step in range(SAVE_AT, SAVE_AT + CONTINUE):
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            loss_of(model, *global_batch(step, rank, world)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *per_rank in zip(model.parameters(), *grads):
+            p.grad = sum(per_rank) / world
+        optimizer.step()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return params
+
+
 def zerodp_continue(rank: int, world: int, folder: str, stage: int) -> dict:
     import zerodp
 

@@ -8,23 +8,29 @@
 - `zerodp.load` of a real DeepSpeed checkpoint (deepspeed_cases.py: DeepSpeed on CPU with gloo,
   torch's AdamW in two param groups, saved at stages 2 and 3 by 2 ranks), into zerodp at the
   same world size and stage and at another (N=1, stages 3 and 1): the loaded masters and Adam
-  states equal what DeepSpeed held, and the next steps follow DeepSpeed's own continuation
-  after its `load_checkpoint`.
+  states equal what DeepSpeed held, and the next steps follow torch's AdamW continuing from
+  that state (and DeepSpeed's own continuation after its `load_checkpoint`, where it repeats).
 - zerodp's HF Trainer given `TrainingArguments(deepspeed=...)`.
 
 Tolerances of the continuation, derived as tests/tolerances.py derives its bounds, per
 element, over CONTINUE = 3 steps:
 - The load copies values: masters, exp_avg, exp_avg_sq, step and hyperparameters are equal bit
   for bit.
-- Same world size (N=2): each rank runs the same forward and backward on bit-equal weights and
-  its own micro-batch as DeepSpeed's rank did, and the gradient average over 2 ranks (a sum of
-  two terms, a division by 2) is exact in any order; AdamW is elementwise. So the steps are the
-  same computation: equal bit for bit (tolerance 0).
-- N=1: one forward over both micro-batches; the mean over 8 samples rounds differently from the
-  mean of two means of 4. AdamW divides by sqrt(v), so an element whose gradient is near zero
-  may move by up to lr per step of either sign under any rounding difference: 2 lr steps
-  (tolerances.adamw_tol), 0.06 at lr 1e-2. Weak by design; a misplaced shard, an unrestored
+- The steps after the load against torch's AdamW continuing in one process from the state
+  DeepSpeed saved (deepspeed_cases.torch_continuation), its gradient formed as zerodp's world
+  forms it: the same arithmetic up to the order of a few roundings (measured: equal, or 1e-9
+  apart at the third step). AdamW divides by sqrt(v), so an element whose gradient is near zero
+  may move by up to lr per step of either sign under any rounding difference: 2 lr per step
+  (tolerances.adamw_tol), 0.06 at lr 1e-2 over 3 steps. A misplaced shard, an unrestored
   parameter or state (O(0.1-1) apart) fails it, and a lost state or step is caught exactly above.
+- DeepSpeed's own continuation after its `load_checkpoint`: at stage 2 and the same world size
+  each rank runs the same forward and backward on bit-equal weights and its own micro-batch as
+  DeepSpeed's rank did, the gradient average over 2 ranks is exact in any order and AdamW is
+  elementwise, so zerodp's steps equal DeepSpeed's bit for bit. At stage 3 (CPU, gloo) DeepSpeed's
+  own continuation is not repeatable: in about 1 run of 10 its first step landed 0.28 away from
+  the run before while its loaded state and first loss were equal, and zerodp's N=1 stage-1
+  continuation (one process, nothing to reorder) differed from it by the same 0.28; so only its
+  first loss is compared there.
 - The first loss after the load depends on the loaded weights only: at N=2 the same
   computation (equal), at N=1 a mean of 8 values rounded once more: within 8 u relative.
 """
@@ -295,17 +301,23 @@ def test_deepspeed_checkpoint_loads_and_continues_as_deepspeed(deepspeed_run, po
                                                                                   deepspeed_cases.WEIGHT_DECAY))
     assert ranks[0]["extra"] == {"data_position": deepspeed_cases.SAVE_AT, "global_steps": deepspeed_cases.SAVE_AT}
     assert ranks[0]["step_count"] == deepspeed_cases.SAVE_AT + deepspeed_cases.CONTINUE
-    # The continuation against DeepSpeed's own after load_checkpoint (module docstring).
+    # The continuation (module docstring): the first loss depends on the loaded weights only, so it
+    # is checked against DeepSpeed's own after its load_checkpoint; the steps against torch's
+    # AdamW continuing from the state DeepSpeed saved, its gradient formed as this world forms it.
     ds_losses = [sum(per_rank) / deepspeed_cases.DS_WORLD
                  for per_rank in zip(*(r[ds_stage]["losses"] for r in deepspeed_run))]
     losses = [sum(per_rank) / world for per_rank in zip(*(r["losses"] for r in ranks))]
     same_world = world == deepspeed_cases.DS_WORLD
     assert losses[0] == pytest.approx(ds_losses[0], rel=0 if same_world else 8 * U32, abs=0)
-    tol = 0.0 if same_world else adamw_tol(max(deepspeed_cases.LR), deepspeed_cases.CONTINUE)
-    for step, (ours, theirs) in enumerate(zip(ranks[0]["params"], ref["params"])):
+    expected = deepspeed_cases.torch_continuation(ref["saved"], world)
+    tol = adamw_tol(max(deepspeed_cases.LR), deepspeed_cases.CONTINUE)
+    for step, (ours, theirs) in enumerate(zip(ranks[0]["params"], expected)):
         worst = max((ours[n] - theirs[n]).abs().max().item() for n in theirs)
         assert worst <= tol, f"step {step}: {worst:.3g} > {tol:.3g}"
-    if same_world:
+    if ds_stage == 2 and same_world:
+        # DeepSpeed's own continuation, where it is repeatable (stage 2; see the module docstring).
+        for step, (ours, theirs) in enumerate(zip(ranks[0]["params"], ref["params"])):
+            assert all(torch.equal(ours[n], theirs[n]) for n in theirs), step
         assert losses == ds_losses
 
 
