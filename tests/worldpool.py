@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait
 
 # Started once per session; a world of 4 is 4 interpreters, so more would only compete for
 # the two cores. The largest world any case needs is 4.
@@ -114,13 +115,14 @@ class World:
         results: list = [None] * self.world_size
         pending = set(range(self.world_size))
         while pending:
-            for r in list(pending):
-                if self._conns[r].poll(0.05):
-                    try:
-                        results[r] = self._conns[r].recv()
-                    except (EOFError, OSError):
-                        results[r] = ("error", f"rank {r}: exited without a result")
-                    pending.discard(r)
+            # Woken by the first rank that reports, not after a fixed poll per rank.
+            ready = wait([self._conns[r] for r in pending], timeout=0.5)
+            for r in [r for r in pending if self._conns[r] in ready]:
+                try:
+                    results[r] = self._conns[r].recv()
+                except (EOFError, OSError):
+                    results[r] = ("error", f"rank {r}: exited without a result")
+                pending.discard(r)
             if pending and not self.alive:
                 time.sleep(0.5)  # a rank that died may have sent nothing; let the others report
                 for r in list(pending):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from .failure import CollectiveError, FailureReport, describe_record
 from .ledger import CommLedger, CommRecord
 
-__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives", "exchange_rows",
-           "guarded", "wire_tag"]
+__all__ = ["Collectives", "NativeCollectives", "GlooCollectives", "Works", "default_collectives", "guarded",
+           "wire_tag"]
 
 
 # [Note: gloo pairing]
@@ -218,6 +218,11 @@ class Collectives:
     def launch_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool, tag: int = 0):
         raise NotImplementedError
 
+    def launch_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list,
+                          input_splits: list, tag: int = 0) -> None:
+        """Issue and finish an all-to-all-v along dim 0 (`Comm.all_to_all`)."""
+        raise NotImplementedError
+
 
 class NativeCollectives(Collectives):
     """torch's single-tensor collectives: NCCL's fast ones, used unchanged."""
@@ -227,6 +232,10 @@ class NativeCollectives(Collectives):
 
     def launch_reduce_scatter(self, output, input, async_op, tag=0):
         return _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+
+    def launch_all_to_all(self, output, input, output_splits, input_splits, tag=0):
+        dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                               input_split_sizes=list(input_splits), group=self.group)
 
 
 class GlooCollectives(Collectives):
@@ -278,34 +287,32 @@ class GlooCollectives(Collectives):
                 output.add_(t)
         return Works(works, then).finish(async_op)
 
-
-def exchange_rows(output: torch.Tensor, input: torch.Tensor, output_splits: list, input_splits: list,
-                  group: Optional[dist.ProcessGroup], tag: int) -> None:
-    """[Note: gloo all-to-all]
-    An all-to-all-v along dim 0 on gloo is point-to-point messages tagged with the
-    collective's `wire_tag`, as its all-gathers are ([Note: gloo all-gather and
-    reduce-scatter]): in round k rank r's rows for rank r+k go out while rank r-k's land in
-    their slot of `output`; its own rows are copied. torch's `all_to_all_single` would need
-    the agreement round before it ([Note: gloo pairing]), a second exchange on which every
-    rank of the group waits for the others; the tags make it unnecessary. Measured at N=4
-    on a 2-core CPU (median of 300, interleaved), a count exchange then a 256 KiB row
-    exchange: 6.1 ms against 8.1 ms with all_to_all_single after the agreement. Sending
-    the rows with their counts in one round (the receiver posting its receives once the
-    counts arrive) measured 7.6 ms: the senders' rows wait on the receivers anyway. Both
-    sides of a pair know its size (the caller's splits), so an empty piece sends no
-    message. The ledger's record and its bytes are the single call's."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    ins, outs = input.split(list(input_splits)), output.split(list(output_splits))
-    works = []
-    for k in range(1, n):
-        to, frm = (r + k) % n, (r - k) % n
-        if ins[to].numel():
-            works.append(dist.isend(ins[to].contiguous(), dist.get_global_rank(group, to), group=group, tag=tag))
-        if outs[frm].numel():
-            works.append(dist.irecv(outs[frm], dist.get_global_rank(group, frm), group=group, tag=tag))
-    outs[r].copy_(ins[r])
-    for w in works:
-        w.wait()
+    def launch_all_to_all(self, output, input, output_splits, input_splits, tag=0):
+        """[Note: gloo all-to-all]
+        An all-to-all-v along dim 0 on gloo is point-to-point messages tagged with the
+        collective's `wire_tag`, as its all-gathers are ([Note: gloo all-gather and
+        reduce-scatter]): in round k rank r's rows for rank r+k go out while rank r-k's land in
+        their slot of `output`; its own rows are copied. torch's `all_to_all_single` would need
+        the agreement round before it ([Note: gloo pairing]), a second exchange on which every
+        rank of the group waits for the others; the tags make it unnecessary. Measured at N=4
+        on a 2-core CPU (median of 300, interleaved), a count exchange then a 256 KiB row
+        exchange: 6.1 ms against 8.1 ms with all_to_all_single after the agreement. Sending
+        the rows with their counts in one round (the receiver posting its receives once the
+        counts arrive) measured 7.6 ms: the senders' rows wait on the receivers anyway. Both
+        sides of a pair know its size (the caller's splits), so an empty piece sends no
+        message. The ledger's record and its bytes are the single call's."""
+        n, r = self.size, self.rank
+        ins, outs = input.split(list(input_splits)), output.split(list(output_splits))
+        works = []
+        for k in range(1, n):
+            to, frm = (r + k) % n, (r - k) % n
+            if ins[to].numel():
+                works.append(dist.isend(ins[to].contiguous(), self._peer(to), group=self.group, tag=tag))
+            if outs[frm].numel():
+                works.append(dist.irecv(outs[frm], self._peer(frm), group=self.group, tag=tag))
+        outs[r].copy_(ins[r])
+        for w in works:
+            w.wait()
 
 
 def default_collectives(backend: Optional[str]) -> type[Collectives]:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, check_device, default_collectives, exchange_rows, guarded, wire_tag
+from .collectives import Collectives, check_device, default_collectives, guarded, wire_tag
 from .failure import CollectiveError, FailureReport
 from .ledger import CommLedger, CommRecord
 from .sync_points import SyncPoints, leave_all
@@ -118,13 +118,9 @@ class Comm:
         if self.topology.size(axis) == 1:
             output.copy_(input)
             return
-        group = self.topology.group(axis)
-        if self.topology.backend == "gloo":  # [Note: gloo all-to-all] in collectives.py
-            guarded(record, self.failures, exchange_rows, output, input, output_splits, input_splits, group,
-                    wire_tag(record))
-            return
-        self._run(record, group, dist.all_to_all_single, output, input,
-                  output_split_sizes=list(output_splits), input_split_sizes=list(input_splits))
+        # gloo's is a tagged exchange that needs no agreement round ([Note: gloo all-to-all]).
+        guarded(record, self.failures, self.collectives(axis).launch_all_to_all, output, input, output_splits,
+                input_splits, wire_tag(record))
 
     def all_gather_object(self, obj, phase: str = "control", label: str = "", axis: str = "data") -> list:
         """Every rank's small Python object (agreement, checkpoint metadata) on `axis`: the
