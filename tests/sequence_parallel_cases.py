@@ -97,11 +97,11 @@ def train_reference(name, attn, opt_name, groups, padded):
 
 
 def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded=False, checkpointing=False,
-                tiled=False, on_host=False, tiled_mlp=False, units=()):
+                tiled=False, on_host=False, tiled_mlp=False, units=(), fields=None):
     """Train `name` at `stage` with sequence_parallel_size=`sp` for STEPS steps: per step the
     loss every rank returned and the mean over the groups, at the end every parameter,
     against the reference (untiled); the all-to-alls the ledger counted per step; with
-    `tiled_mlp`, the MLP tiles each layer computed."""
+    `tiled_mlp`, the MLP tiles each layer computed. `fields`: more Config fields."""
     from zerodp.sequence_parallel.tiled_mlp import TiledMLP
 
     groups = world_size // sp
@@ -110,7 +110,7 @@ def parity_case(rank, world_size, name, stage, opt_name, sp, attn="sdpa", padded
     if checkpointing:  # Hugging Face's: each layer's forward, all-to-alls included, runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = zerodp.Config(stage=stage, sequence_parallel_size=sp, tiled_loss=tiled, activations_on_host=on_host,
-                        tiled_mlp=tiled_mlp, **({"unit_modules": units} if units else {}))
+                        tiled_mlp=tiled_mlp, **({"unit_modules": units} if units else {}), **(fields or {}))
     model, opt = zerodp.initialize(model, lambda ps: optimizer(opt_name, ps), cfg)
     mlps = [m.forward for m in model.modules() if isinstance(m.forward, TiledMLP)]
     comm = opt.comm

@@ -122,6 +122,18 @@ def test_four_ranks_two_groups_of_two(pool):
     check([{**r, "name": "llama"} for r in results], "sgd", 2, 4)
 
 
+@pytest.mark.parametrize("world,fields", [(2, {"offload_optimizer": "host", "offload_params": "host"}),
+                                          (4, {"replicate_size": 2})], ids=["offload", "hybrid"])
+def test_offload_and_hybrid_sharding_beside_sequence_parallelism(pool, world, fields):
+    """Stage 3 with SP=2 and ZeRO-Offload's host optimizer and parameters (N=2), and with hybrid
+    sharding (N=4: SP=2 x DP=2, the model sharded over 2 ranks and replicated twice): the same
+    results as one process, the same all-to-alls."""
+    results = pool.run(world, cases.parity_case, "llama", 3, "sgd", 2, "sdpa", timeout_s=TIMEOUT_S, fields=fields)
+    shard_sizes = {r["shard_size"] for r in results}
+    assert shard_sizes == {world // fields.get("replicate_size", 1)}, shard_sizes
+    check([{**r, "name": "llama", "shard_size": world} for r in results], "sgd", 2, world)
+
+
 def test_refusals_name_the_fix(pool):
     for r in pool.run(2, cases.refusal_case, timeout_s=TIMEOUT_S):
         assert "3 attention heads do not split over 2" in r["heads"], r

@@ -39,12 +39,11 @@ from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..distributed.agreement import raise_if_any_failed
 from ..distributed.sync_points import MODEL_LOAD_STATE_DICT, MODEL_STATE_DICT
 from .flat_unit import FlatUnit, UnitState
-from .rows import RowSharding, gather_runs
+from .rows import RowSharding, gather_runs, is_dtensor
 
 __all__ = ["LoadedValues", "install_state_dict_hooks", "install_whole_load_hook", "full_unit_tensors",
            "serving_whole"]
@@ -277,7 +276,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                         split = u.names[i] in rows.splits
                         for key in keys:  # in the same order on every rank: DTensors gather
                             value = state_dict[key]
-                            if isinstance(value, DTensor) or (split and
+                            if is_dtensor(value) or (split and
                                                               tuple(value.shape) != tuple(u.layout.slots[i].shape)):
                                 state_dict[key] = rows.whole(value, key, u.layout.slots[i].shape,
                                                              u.names[i] if split else None)
@@ -369,9 +368,9 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
             key, value = prefix + name, state_dict.get(prefix + name)
             # A plain tensor of the slice's shape is this rank's slice (a per-rank state dict, or
             # the model's own variables); anything else is the original, in any form.
-            if id(p) in split and torch.is_tensor(value) and (isinstance(value, DTensor) or value.shape != p.shape):
+            if id(p) in split and torch.is_tensor(value) and (is_dtensor(value) or value.shape != p.shape):
                 state_dict[key] = rows.whole(value, key, tuple(p.shape), split[id(p)])
-        for key in sorted(k for k, v in state_dict.items() if isinstance(v, DTensor)):  # same order on every rank
+        for key in sorted(k for k, v in state_dict.items() if is_dtensor(v)):  # same order on every rank
             state_dict[key] = rows.whole(state_dict[key], key)
         # In torch's order of copies, so that of a tied parameter's names the last one wins.
         for name, p in module.named_parameters(remove_duplicate=False):

@@ -33,15 +33,25 @@ which DCP treats as replicated; loading cuts any whole value back to the rank's 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Mapping, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import Comm
 from ..distributed.collectives import Collectives
 from ..memory.layout import FlatLayout
 from ..tensor_parallel.split import TensorSplit
+
+
+def is_dtensor(value) -> bool:
+    """[Note: DTensor imported on use]
+    `isinstance(value, DTensor)` without importing torch.distributed.tensor, which pulls in
+    sympy and symbolic shapes: 0.6 s of the 1.8 s `import zerodp` took on a 2-core CPU, in
+    every process a launch starts, most of which never make a DTensor. Until that module is
+    imported no DTensor can exist; the code that makes them imports it where it does."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 __all__ = ["RowSharding", "copy_owned", "gather_runs", "gather_split", "scatter_runs"]
 
@@ -91,6 +101,8 @@ class RowSharding:
     def _placements(self, shape, split: Optional[TensorSplit] = None, rows: bool = True) -> list:
         """A DTensor's placements: under tensor parallelism the ``tp`` axis first (the slice),
         then the data-parallel axes: rows along ``shard`` (`rows`, when sharded), else replicated."""
+        from torch.distributed.tensor import Replicate, Shard  # [Note: DTensor imported on use]
+
         axis = [Shard(0)] if len(shape) and rows and self.sharded else [Replicate()]
         data = [Replicate()] + axis if self.topology.replicate_size > 1 else axis
         if self.topology.tp_size == 1:
@@ -124,6 +136,8 @@ class RowSharding:
         local = flat.view((local_rows, *shape[1:]) if len(shape) else ())
         full = tuple(split.global_shape(shape)) if split is not None else tuple(shape)
         stride = torch.empty(full, device="meta").stride()
+        from torch.distributed.tensor import DTensor  # [Note: DTensor imported on use]
+
         return DTensor.from_local(local, self._mesh(), self._placements(shape, split, rows), run_check=False,
                                   shape=torch.Size(full), stride=stride)
 
@@ -175,7 +189,7 @@ class RowSharding:
         if tuple(value.shape) != full_shape:
             raise ValueError(f"{name}: the state dict holds shape {tuple(value.shape)}, the model's parameter is "
                              f"{full_shape}: load a state dict of this model")
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             ours = value.device_mesh == self._mesh() and not self._joined(split)
             placements = tuple(value.placements)
             if ours and self.sharded and placements == tuple(self._placements(shape, split, rows=True)):
