@@ -31,10 +31,14 @@ the step that does not grow with L (benchmarks/RESULTS.md, "Long context"), and 
 enough for the activations to set it makes the search take hours: `--model small` (hidden
 256, 4 layers, vocabulary 8192) with `--base-length 512` runs in ~5 minutes here.
 
-Step time per token: one step at `--base-length` with SP rows in the batch, so that every
+Step time per token: steps at `--base-length` with SP rows in the batch, so that every
 variant trains the same 4 L0 tokens per step (4 / SP groups of SP rows each) and each rank
-computes the same number of tokens' layers; time per token = the slowest rank's step time /
-4 L0.
+computes the same number of tokens' layers; a step's time is the slowest rank's, a variant's
+the median of `--time-steps` steps; time per token = that / 4 L0. The search's launch gives the
+first round; `--repeat` - 1 more rounds launch every variant again for the timed steps only,
+the order reversed every other round, so that each round's launches meet about the same load
+on a shared machine; a ratio against SP=1 is the median over the rounds of the ratio within a
+round (its range beside it).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ import ctypes
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -185,8 +190,15 @@ def worker(args) -> None:
             print(f"[long_context] {args.variant}: {text}", flush=True)
 
     trial(64 * sp)  # warm-up: the first step sets up the collectives' buffers, which stay
-    timed = trial(args.base_length, rows=sp)
-    log(f"{WORLD * args.base_length} tokens per step: {timed['step_s']:.2f} s")
+    step_s = statistics.median(trial(args.base_length, rows=sp)["step_s"] for _ in range(args.time_steps))
+    log(f"{WORLD * args.base_length} tokens per step: {step_s:.2f} s (median of {args.time_steps})")
+    if args.timing_only:
+        if rank == 0:
+            with open(args.results, "a") as f:
+                f.write(json.dumps({"variant": args.variant, "time_step_s": step_s}) + "\n")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     budget, done = args.budget, {}
     if budget is None:  # the untiled SP=1 variant measures it, and that trial is its search's at L0
         done[args.base_length] = trial(args.base_length)
@@ -197,7 +209,7 @@ def worker(args) -> None:
     if rank == 0:
         record = {"variant": args.variant, "sp": sp, "tiled": tiled, "psi": psi, "budget_mib": budget,
                   "longest": longest, "shortest_over": shortest_over, "trials": trials,
-                  "time_tokens": WORLD * args.base_length, "time_step_s": timed["step_s"]}
+                  "time_tokens": WORLD * args.base_length, "time_step_s": step_s}
         with open(args.results, "a") as f:
             f.write(json.dumps(record) + "\n")
     dist.barrier()
@@ -205,14 +217,27 @@ def worker(args) -> None:
 
 
 # ============================================================================ parent side
-def render(records: dict, failures: dict, args) -> str:
+def time_ratio(times: dict, variant: str, reference: str) -> str:
+    """The median over the rounds of variant's step time / reference's in the same round, and
+    the range: 'median [low-high]'."""
+    pairs = [a / b for a, b in zip(times.get(variant, []), times.get(reference, [])) if a and b]
+    if not pairs:
+        return "—"
+    if len(pairs) == 1:
+        return f"{pairs[0]:.2f}"
+    return f"{statistics.median(pairs):.2f} [{min(pairs):.2f}-{max(pairs):.2f}]"
+
+
+def render(records: dict, times: dict, failures: dict, args) -> str:
+    """records: variant -> its search's record; times: variant -> its step time per round."""
     base = records.get("sp1")
     any_record = next(iter(records.values()), None)
     lines = []
     if any_record:
         lines.append(f"Ψ = {any_record['psi']:,} parameters; budget {any_record['budget_mib']:.0f} MiB peak RSS per "
                      f"rank (untiled SP=1 at L0 = {args.base_length}); lengths in multiples of {args.granularity}; "
-                     f"step time at {WORLD} x {args.base_length} tokens per step")
+                     f"step time at {WORLD} x {args.base_length} tokens per step, the median of "
+                     f"{args.time_steps} steps, in {args.repeat} rounds")
     lines += ["", "| variant | longest L that fits | first L over | × SP=1 | × untiled, same SP | trials | "
                   "step s | s per 1k tokens | × SP=1, same tiling |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -223,15 +248,15 @@ def render(records: dict, failures: dict, args) -> str:
                 lines.append(f"| {v} | failed: {failures[v]} | | | | | | | |")
             continue
         untiled = records.get(v.replace("_tiled", ""))
-        same_tiling = records.get("sp1_tiled" if r["tiled"] else "sp1")
-        per_k = 1000 * r["time_step_s"] / r["time_tokens"]
+        step_s = statistics.median(t for t in times[v] if t)
+        per_k = 1000 * step_s / r["time_tokens"]
         ratio = lambda a, b: f"{a / b:.2f}" if a and b else "—"  # noqa: E731
         lines.append(
             f"| {v} | {r['longest']:,} | {'—' if r['shortest_over'] is None else format(r['shortest_over'], ',')} "
             f"| {ratio(r['longest'], base and base['longest'])} "
             f"| {ratio(r['longest'], untiled and untiled['longest']) if r['tiled'] else ''} "
-            f"| {len(r['trials'])} | {r['time_step_s']:.1f} | {per_k:.2f} "
-            f"| {ratio(r['time_step_s'], same_tiling and same_tiling['time_step_s'])} |")
+            f"| {len(r['trials'])} | {step_s:.2f} | {per_k:.2f} "
+            f"| {time_ratio(times, v, 'sp1_tiled' if r['tiled'] else 'sp1')} |")
     lines += ["", "Each trial's peak (largest rank's VmHWM over one step, MiB) by length:", ""]
     for v in VARIANTS:
         r = records.get(v)
@@ -248,6 +273,9 @@ def main() -> None:
     ap.add_argument("--base-length", type=int, default=None, help="L0: SP=1's length that sets the budget")
     ap.add_argument("--granularity", type=int, default=None, help="lengths searched in multiples of this")
     ap.add_argument("--max-trials", type=int, default=8)
+    ap.add_argument("--time-steps", type=int, default=3, help="timed steps per launch (their median)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of timed steps, in alternating order")
+    ap.add_argument("--timing-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_context.md"))
@@ -282,7 +310,7 @@ def main() -> None:
     results.write_text("")
     log = out.with_suffix(".log")
     log.write_text(f"{uptime()}\n")
-    records, failures, budget = {}, {}, None
+    records, times, failures, budget = {}, {}, {}, None
     variants = ["sp1"] + [v for v in args.variants if v != "sp1"]  # the budget first
     started = time.perf_counter()
     for v in variants:
@@ -297,10 +325,22 @@ def main() -> None:
                 break
             continue
         records[v] = rec
+        times[v] = [rec["time_step_s"]]
         budget = rec["budget_mib"]
         print(f"[long_context] {v}: longest {rec['longest']} ({time.perf_counter() - started:.0f} s so far)",
               flush=True)
-    table = render(records, failures, args)
+    searched = [v for v in variants if v in records]
+    for i in range(1, args.repeat):
+        for v in (searched if i % 2 == 0 else list(reversed(searched))):
+            worker_args = ["--variant", v, "--model", model, "--base-length", str(args.base_length), "--time-steps",
+                           str(args.time_steps), "--timeout", str(args.timeout), "--results", str(results),
+                           "--timing-only"]
+            rec, err = run_variant(Path(__file__).resolve(), worker_args, args.timeout, results, log)
+            times[v].append(None if rec is None else rec["time_step_s"])
+            if rec is None:
+                print(f"[long_context] {v} timing round {i + 1} failed: {err}", flush=True)
+        print(f"[long_context] timing round {i + 1} done ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    table = render(records, times, failures, args)
     began = log.read_text().splitlines()[0]
     out.write_text(f"# bench_long_context\n\n`{' '.join(sys.argv)}` (began: {began}; ended: {uptime()}; "
                    f"{(time.perf_counter() - started) / 60:.1f} min)\n\n{table}\n")

@@ -11,22 +11,30 @@ import time
 import zerodp
 
 
-def worker_pids(agent_pid: int) -> list[int]:
-    """The training workers torchrun's agent (`agent_pid`) runs: its children running the demo."""
-    out = []
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The training workers a launch (`launcher_pid`: torchrun's agent, or `zerodp train`, which
+    runs it) has started: its descendants running the demo, torchrun's agent aside."""
+    parents, commands = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
+                commands[int(entry)] = f.read()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == agent_pid and b"zerodp.demo.train" in cmd:
-            out.append(int(entry))
-    return sorted(out)
+
+    def descends(pid: int) -> bool:
+        while pid in parents and pid > 1:
+            pid = parents[pid]
+            if pid == launcher_pid:
+                return True
+        return False
+
+    return sorted(pid for pid, cmd in commands.items()
+                  if b"zerodp.demo.train" in cmd and b"torch.distributed.run" not in cmd and descends(pid))
 
 
 def _saving(ckpt_dir: str, left: set = frozenset()) -> bool:
@@ -49,7 +57,7 @@ def _latest_step(ckpt_dir: str) -> int:
 
 def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: int, nproc: int,
                    timeout: float) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run `cmd` (a torchrun launch) and SIGKILL one of its workers once per entry of `plan`:
+    """Run `cmd` (a torchrun launch, or `zerodp train`) and SIGKILL one of its workers once per entry of `plan`:
     "save" while a checkpoint is being written (a `.tmp-` directory exists), "step" at a
     random moment of training outside a save. Before each kill the (restarted) workers must
     have saved a checkpoint newer than the one the previous kill left, so every kill hits a
