@@ -5,7 +5,7 @@ at stage 3 on 4 CPU ranks (gloo); and the step time per token at one common leng
 
     .venv/bin/python benchmarks/bench_long_context.py            # ~100M parameters
     .venv/bin/python benchmarks/bench_long_context.py --quick    # a small model: a smoke run
-    .venv/bin/python benchmarks/bench_long_context.py --model small --base-length 512
+    .venv/bin/python benchmarks/bench_long_context.py --model small --base-length 1024
 
 The model: Hugging Face's Llama built from its config (hidden 768, 8 layers, 12 heads of which
 4 key/value heads (GQA), intermediate 2048, vocabulary 32000, untied head: 99.5M parameters),
@@ -29,7 +29,7 @@ until a length that fits sits next to one that does not (at most `--max-trials` 
 On this repository's 2-core machine the 100m shape's budget at a short L0 is set by a phase of
 the step that does not grow with L (benchmarks/RESULTS.md, "Long context"), and an L0 long
 enough for the activations to set it makes the search take hours: `--model small` (hidden
-256, 4 layers, vocabulary 8192) with `--base-length 512` runs in ~5 minutes here.
+256, 4 layers, vocabulary 8192) with `--base-length 1024` runs in ~13 minutes here.
 
 Step time per token: steps at `--base-length` with SP rows in the batch, so that every
 variant trains the same 4 L0 tokens per step (4 / SP groups of SP rows each) and each rank
