@@ -38,6 +38,11 @@ from multiprocessing.connection import wait
 # Started once per session; a world of 4 is 4 interpreters, so more would only compete for
 # the two cores. The largest world any case needs is 4.
 WORLD_SIZES = (1, 2, 4)
+# A rank is forked from a server that has imported these once ([Note: reused worlds]): a
+# spawned rank imported them itself, ~2.5 s of CPU each, in every world a test session
+# starts or restarts after a case that failed on purpose.
+START_METHOD = "forkserver"
+PRELOAD = ["torch", "torch.distributed", "zerodp"]
 
 
 def _serve(rank: int, world_size: int, store_path: str, conn, timeout_s: float) -> None:
@@ -91,13 +96,14 @@ class World:
 
     def __post_init__(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
-        spawn = mp.get_context("spawn")
-        pipes = [spawn.Pipe() for _ in range(self.world_size)]
+        context = mp.get_context(START_METHOD)
+        context.set_forkserver_preload(PRELOAD)
+        pipes = [context.Pipe() for _ in range(self.world_size)]
         self._conns = [parent for parent, _ in pipes]
         store_path = os.path.join(self._tmp.name, "store")
         self._ctx = mp.start_processes(
             _serve_entry, args=(self.world_size, store_path, [child for _, child in pipes], self.timeout_s),
-            nprocs=self.world_size, join=False, start_method="spawn")
+            nprocs=self.world_size, join=False, start_method=START_METHOD)
         for _, child in pipes:
             child.close()
 
