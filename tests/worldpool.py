@@ -1,11 +1,12 @@
 """Gloo worlds kept for the whole pytest session: one per world size, each test one case.
 
 [Note: reused worlds]
-A rank is a fresh interpreter that imports torch and zerodp (~5 s on a 2-core machine), so
-spawning a world per test module was about half the suite's time, and running a whole grid
-inside it meant one exception failed every test of the module. Here each world size gets
-one world, started on first use and kept until the session ends (DeepSpeed's
-`reuse_dist_env` does the same); a test sends it one case (an importable function and its
+A spawned rank is a fresh interpreter that imports torch and zerodp (~5 s on a 2-core
+machine), so spawning a world per test module was about half the suite's time, and running a
+whole grid inside it meant one exception failed every test of the module. Here each world
+size gets one world, started on first use and kept until the session ends (DeepSpeed's
+`reuse_dist_env` does the same), its ranks forked from a forkserver that imported torch and
+zerodp once (PRELOAD); a test sends it one case (an importable function and its
 arguments), every rank runs it, and the test asserts on what the ranks returned, so
 `pytest -k name` runs that case alone.
 
