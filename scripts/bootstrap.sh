@@ -15,6 +15,6 @@ major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 raise SystemExit(0 if (major, minor) >= (2, 6) else 1)
 PYEOF
 then
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==2.13.0"
+  TORCH="torch==2.13.0"  # installed in the same resolve as the rest: one pip run, not two
 fi
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[test,plot]"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check ${TORCH:+"$TORCH"} -e ".[test,plot]"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch._inductor.compile_fx as inductor_compile_fx
 from torch._dynamo.utils import counters
 
 import zerodp
@@ -86,7 +85,10 @@ class _ParamInputs:
     lifted from a parameter (its placeholder is named after it)."""
 
     def __init__(self):
+        import torch._inductor.compile_fx as inductor_compile_fx  # in the ranks only: 2 s to import
+
         self.shapes: list[tuple] = []
+        self._module = inductor_compile_fx
         self._orig = inductor_compile_fx.compile_fx
 
     def __enter__(self):
@@ -95,11 +97,11 @@ class _ParamInputs:
             self.shapes += [tuple(t.shape) for n, t in zip(names, inputs) if "_parameters_" in n]
             return self._orig(gm, inputs, *args, **kwargs)
 
-        inductor_compile_fx.compile_fx = recording
+        self._module.compile_fx = recording
         return self
 
     def __exit__(self, *exc):
-        inductor_compile_fx.compile_fx = self._orig
+        self._module.compile_fx = self._orig
 
 
 def _blocks(model, block):
