@@ -183,6 +183,7 @@ def tidying_beside_malformed_json_case(rank, world_size, root: str) -> dict:
     torch.distributed.barrier()
     out = {"keep_last": error_of(lambda: zerodp.save(os.path.join(root, "step_1"), model, opt, keep_last=1))}
     out["after_keep_last"] = sorted(os.listdir(root))
+    torch.distributed.barrier()  # every rank has listed before rank 0 plants the leftover
     if rank == 0:
         leftover = os.path.join(root, "step_1.tmp-0123456789ab")
         os.makedirs(leftover)
