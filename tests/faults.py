@@ -57,8 +57,8 @@ def _latest_step(ckpt_dir: str) -> int:
 
 def run_with_kills(cmd: list, env: dict, ckpt_dir: str, plan: list[str], seed: int, nproc: int,
                    timeout: float) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run `cmd` (a torchrun launch, or `zerodp train`) and SIGKILL one of its workers once per entry of `plan`:
-    "save" while a checkpoint is being written (a `.tmp-` directory exists), "step" at a
+    """Run `cmd` (a torchrun launch, or `zerodp train`) and SIGKILL one of its workers once per
+    entry of `plan`: "save" while a checkpoint is being written (a `.tmp-` directory exists), "step" at a
     random moment of training outside a save. Before each kill the (restarted) workers must
     have saved a checkpoint newer than the one the previous kill left, so every kill hits a
     resumed run. Returns the finished process and what was killed when."""
