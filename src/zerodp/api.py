@@ -20,7 +20,7 @@ from .config import Config
 from .config_world import WorldFacts, check_world
 from .distributed import Comm, Topology
 from .distributed.agreement import check_ranks_agree, describe
-from .expert_parallel import ExpertParallelModel, apply_expert_parallel, refuse_module_state_dicts
+from .expert_parallel import ExpertParallelModel, apply_expert_parallel
 from .expert_parallel.plan import ep_plan_of
 from .peft_guard import refuse_in_place_merges
 from .optim import ZeroOptimizer
@@ -220,7 +220,6 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
         comm, expert_parallel = _split_experts(model, comm, config.expert_parallel_size)
         experts = ExpertShards(expert_parallel.param_ids, tuple(expert_parallel.modules.items()),
                                expert_parallel.expert_comm, comm.world_size)
-        refuse_module_state_dicts(model, config.expert_parallel_size)  # before the sharding's own hooks
     sequence_parallel = None
     if config.sequence_parallel_size > 1:  # [Note: sequence-parallel axis]; docs/long_context.md
         comm = Comm(topology=comm.topology.with_sequence_parallel(config.sequence_parallel_size), ledger=comm.ledger)
@@ -241,6 +240,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             opt = ZeroOptimizer(inner, ShardedModel(sharded.group_views, sharded.trainable, group_indices, schedule,
                                                     stage3=schedule, files=sharded.placement.files,
                                                     tensor_parallel=tensor_parallel,
+                                                    expert_parallel=expert_parallel,
                                                     frozen=lambda: [part.shard for u in units for part in u.frozen]),
                                 comm, config)
         except BaseException:
@@ -261,7 +261,8 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
                                                if torch.is_grad_enabled() else None))
         frozen = [p for p in model.parameters() if not p.requires_grad]
         opt = ZeroOptimizer(inner, ShardedModel(flat.storages, named, group_indices, reducer,
-                                                tensor_parallel=tensor_parallel, frozen=lambda: frozen), comm, config)
+                                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                                frozen=lambda: frozen), comm, config)
         install_whole_load_hook(model, opt.rows, on_loaded=opt.refresh_master_from_params, settle=opt.settle)
         if comm.topology.tp_size > 1 or experts is not None:  # split parameters are gathered whole
             install_save_pretrained(model, opt)
@@ -272,7 +273,6 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec, config: Union[Config,
             drop_training_cache(model)
         compile_forwards([u.module for u in sharded.units] if config.stage == 3 else [model])
     opt.sequence_parallel = sequence_parallel  # the input split and the attention it registered
-    opt.expert_parallel = expert_parallel  # which parameters are banks, and how split: checkpoint/tp_pieces.py
     install_ddp_accumulation(model, opt.grad_sync)
     if carried is not None:  # the state the script's own optimizer held, now in the shards
         opt.load_state_dict(carried)

@@ -175,6 +175,29 @@ class Topology:
         _MESHES[key] = (built_from, mesh)
         return mesh
 
+    def expert_parallel_mesh(self, experts: "Topology") -> DeviceMesh:
+        """The data-parallel processes as an ("ep", "shard") mesh, `experts` the
+        expert-data-parallel topology (`with_expert_parallel`'s second): the expert-parallel
+        axis outermost, so that a DTensor on it cuts a bank by expert first and then each
+        rank's experts into rows over the ranks that hold the same experts, as zerodp holds
+        them ([Note: row shards] in sharding/rows.py); ("ep",) alone when those ranks are one.
+        Built once; no collective."""
+        built_from = (self.ep_group, experts.shard_group if experts.mesh is not None else None)
+        key = ("ep-mesh", *(g.group_name if g is not None else None for g in built_from), self.device.type)
+        built = _MESHES.get(key)
+        if built is not None and all(a is b for a, b in zip(built[0], built_from)):
+            return built[1]
+        if experts.mesh is None:
+            mesh = DeviceMesh.from_group(self.ep_group, self.device.type, mesh_dim_names=("ep",))
+        else:
+            # Data rank = expert-data-parallel rank x ep_size + ep rank ([Note: expert-parallel axes]).
+            ranks = torch.tensor(dist.get_process_group_ranks(self.data_group), dtype=torch.int)
+            grid = ranks.view(-1, self.ep_size).t().contiguous()
+            mesh = DeviceMesh.from_group([self.ep_group, experts.shard_group], self.device.type, mesh=grid,
+                                         mesh_dim_names=("ep", "shard"))
+        _MESHES[key] = (built_from, mesh)
+        return mesh
+
     def with_node_axes(self) -> "Topology":
         """This topology with the shard axis split into ``node`` and ``cross_node`` (ZeRO++),
         nodes as torchrun says; each axis of one rank has no process group. Raises

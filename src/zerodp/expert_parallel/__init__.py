@@ -6,7 +6,5 @@ from __future__ import annotations
 
 from .dispatch import ExpertDispatch
 from .plan import ExpertParallelModel, apply_expert_parallel, ep_plan_of
-from .state import refuse_module_state_dicts
 
-__all__ = ["ExpertDispatch", "ExpertParallelModel", "apply_expert_parallel", "ep_plan_of",
-           "refuse_module_state_dicts"]
+__all__ = ["ExpertDispatch", "ExpertParallelModel", "apply_expert_parallel", "ep_plan_of"]

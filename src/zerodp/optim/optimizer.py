@@ -56,6 +56,7 @@ class ShardedModel:
     stage3: object = None  # the stage-3 engine, for gathered_parameters and the ledger
     files: object = None  # the offload directory stage 3's shards opened (the optimizer's states join them)
     tensor_parallel: object = None  # zerodp.tensor_parallel.TensorParallelModel: split parameters, Pa's store
+    expert_parallel: object = None  # zerodp.expert_parallel.ExpertParallelModel: the banks, their split and comm
     frozen: Callable[[], list] = list  # the frozen parameters' storage now, for the ledger
 
 
@@ -105,6 +106,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # How state dicts cut the sharded states into DTensors: [Note: row shards].
         self.rows = RowSharding(comm, sharded=config.stage >= 1,
                                 splits=self.tensor_parallel.splits if self.tensor_parallel is not None else None)
+        # Expert banks: cut by expert over ``ep``, then into rows over the ranks holding the same experts.
+        self.expert_parallel = sharded.expert_parallel
+        if self.expert_parallel is not None:
+            self.rows.with_banks(RowSharding(comm, sharded=config.stage >= 1, splits=self.expert_parallel.splits,
+                                             split_axis="ep", shard_comm=self.expert_parallel.expert_comm))
         self.grad_sync = sharded.schedule
         self.stage3 = sharded.stage3
         self.frozen_tensors = sharded.frozen
@@ -324,7 +330,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameter's shape (this rank's rows), which torch.distributed.checkpoint saves and
         reshards: optim/state_dict.py. Collective at stages 1-3 (every rank calls it; one
         that does not is named on every rank: [Note: sync points]); local at stage 0, as DDP's."""
-        self._refuse_under_expert_parallelism("state_dict()")
         if self.rows.sharded or any(s.parts > 1 for s in self.rows.splits.values()):
             self.comm.sync_points.call(OPTIMIZER_STATE_DICT, f"at stage {self.config.stage} (it gathers each "
                                                              f"state's rows from the rank that owns them)")
@@ -334,23 +339,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()` (from any world size and stage) or its full form.
         Collective: every rank calls it ([Note: sync points])."""
-        self._refuse_under_expert_parallelism("load_state_dict()")
         self.comm.sync_points.call(OPTIMIZER_LOAD_STATE_DICT, f"at stage {self.config.stage} (the ranks check the "
                                                               f"state dict together, and each keeps its rows)")
         self.stepper.settle()
         load_sharded_state_dict(self, state_dict, self.rows)
-
-    expert_parallel = None  # set by initialize under Config.expert_parallel_size > 1 (docs/moe.md)
-
-    def _refuse_under_expert_parallelism(self, call: str) -> None:
-        """The DTensor rows of optim/state_dict.py cut a parameter over the data-parallel
-        ranks; an expert bank is cut by expert over the ``ep`` axis, then over the ranks that
-        hold those experts, which they do not describe yet: refused rather than wrong."""
-        if self.expert_parallel is not None:
-            raise RuntimeError(f"optimizer.{call} under Config.expert_parallel_size={self.expert_parallel.ep_size}: "
-                               f"its DTensors do not describe the expert banks' split yet; use zerodp.save / "
-                               f"zerodp.load (every layout, the banks by global coordinates), or "
-                               f"zerodp.full_state_dict for the model")
 
     # -- state by parameter name (checkpoints) ---------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:

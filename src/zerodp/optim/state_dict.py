@@ -150,6 +150,11 @@ def _piece_tensors(opt, shard, key: str) -> list:
     return [opt.stepper.inner.state.get(t, {}).get(key) for t in shard.master_tensors]
 
 
+def _cut_of(rows: RowSharding, storage) -> RowSharding:
+    """The sharding of a storage's parameters: a storage holds expert banks only or none."""
+    return rows.of(storage.names[storage.indices[0]]) if len(storage.indices) else rows
+
+
 def _local_values(rows: RowSharding, shard, tensors: list, dtype: torch.dtype, device) -> dict[int, torch.Tensor]:
     """Slot index -> this rank's rows of that parameter (flat), for one storage's state
     (zero where a piece has none)."""
@@ -186,11 +191,12 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
                [(k, torch.float32) for k in _master_key(opt)]
         for shard in group:
             st = shard.storage
+            cut = _cut_of(rows, st)
             for key, dtype in keys:
-                values = _local_values(rows, shard, _piece_tensors(opt, shard, key), dtype, opt.comm.device)
+                values = _local_values(cut, shard, _piece_tensors(opt, shard, key), dtype, opt.comm.device)
                 for i in st.indices:
                     if key == MASTER or st.names[i] in agreed.params:
-                        state.setdefault(pid_of_name[st.names[i]], {})[key] = rows.wrap(
+                        state.setdefault(pid_of_name[st.names[i]], {})[key] = cut.wrap(
                             values[i].clone(), st.layout.slots[i].shape, st.names[i])
             for i in st.indices:
                 scalars = agreed.params.get(st.names[i])
@@ -256,8 +262,8 @@ def _plan_load(opt, sd: dict, rows: RowSharding) -> _Plan:
                             continue  # saved in fp32: the master restarts from the model's weights
                         raise ValueError(f"the optimizer state dict has no {key!r} for {st.names[i]}: load a state "
                                          f"dict saved from the same optimizer")
-                    found[i] = rows.unwrap(entry_of[i][key], st.layout.slots[i].shape, f"{st.names[i]}.{key}",
-                                           st.names[i])
+                    found[i] = rows.of(st.names[i]).unwrap(entry_of[i][key], st.layout.slots[i].shape,
+                                                           f"{st.names[i]}.{key}", st.names[i])
                 if found:
                     plan.writes.append((shard, key, dtype, found))
             kept = set()
@@ -328,6 +334,7 @@ def _write_values(rows: RowSharding, shard, tensors: list, found: dict, dtype: t
     with the same slots and dtype on every rank."""
     st = shard.storage
     layout, pieces = st.layout, st.owned_pieces()
+    rows = _cut_of(rows, st)
     if rows.sharded:
         local = rows.into_shard(layout, found, st.collectives, dtype, device)
         base = [p.shard_start for p in pieces]

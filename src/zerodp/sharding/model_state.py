@@ -211,7 +211,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             # rank's slice, given the original's shape as at stages 0-2).
             if unit.state is not UnitState.SHARDED and unit.exact:
                 for u, i, keys in _split_slots(unit, state_dict, prefix, aliases):
-                    value = rows.wrap_slice(state_dict[keys[0]], u.names[i])
+                    value = rows.of(u.names[i]).wrap_slice(state_dict[keys[0]], u.names[i])
                     for key in keys:
                         state_dict[key] = value
                 continue
@@ -219,8 +219,9 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                 named = present(u, state_dict, prefix, aliases)
                 if not named:
                     continue
-                if rows.sharded:
-                    wanted = {i: rows.range_of(u.layout.slots[i].shape, u.names[i]) for i in named}
+                cut = rows.of(u.names[0])  # a unit holds expert banks only or none ([Note: row shards])
+                if cut.sharded:
+                    wanted = {i: cut.range_of(u.layout.slots[i].shape, u.names[i]) for i in named}
                     local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
                                         label=unit.label)
                     u.release_staged()
@@ -228,14 +229,14 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                     local = {i: u.shard[u.layout.slots[i].offset: u.layout.slots[i].offset + u.layout.slots[i].numel]
                              for i in named}
                 for i, keys in named.items():
-                    value = rows.wrap(local[i].detach(), u.layout.slots[i].shape, u.names[i])
+                    value = cut.wrap(local[i].detach(), u.layout.slots[i].shape, u.names[i])
                     for key in keys:
                         state_dict[key] = value
 
     def _split_slots(unit, state_dict, prefix, aliases):
         """(part, slot, keys) of the unit's parameters tensor parallelism split, in the state dict."""
         return [(u, i, keys) for u in unit.parts() for i, keys in present(u, state_dict, prefix, aliases).items()
-                if u.names[i] in rows.splits]
+                if rows.is_split(u.names[i])]
 
     def found_in(state_dict, prefix, aliases) -> list:
         """(unit, {slot: unwrap's (kind, value)}) of every sharded unit the state dict has keys
@@ -247,8 +248,9 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             for u in unit.parts():
                 named = present(u, state_dict, prefix, aliases)
                 if named:
-                    out.append((u, {i: rows.unwrap(state_dict[keys[-1]], u.layout.slots[i].shape, keys[-1],
-                                                   u.names[i]) for i, keys in named.items()}))
+                    out.append((u, {i: rows.of(u.names[i]).unwrap(state_dict[keys[-1]], u.layout.slots[i].shape,
+                                                                  keys[-1], u.names[i])
+                                    for i, keys in named.items()}))
         return out
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -273,13 +275,13 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
             if unit.state is not UnitState.SHARDED:
                 for u in unit.parts():
                     for i, keys in present(u, state_dict, prefix, aliases).items():
-                        split = u.names[i] in rows.splits
+                        split = rows.is_split(u.names[i])
                         for key in keys:  # in the same order on every rank: DTensors gather
                             value = state_dict[key]
                             if is_dtensor(value) or (split and
-                                                              tuple(value.shape) != tuple(u.layout.slots[i].shape)):
-                                state_dict[key] = rows.whole(value, key, u.layout.slots[i].shape,
-                                                             u.names[i] if split else None)
+                                                     tuple(value.shape) != tuple(u.layout.slots[i].shape)):
+                                state_dict[key] = rows.of(u.names[i]).whole(value, key, u.layout.slots[i].shape,
+                                                                            u.names[i] if split else None)
         with torch.no_grad():
             for u, found in todo:  # the same keys on every rank
                 loading.loaded.update(_into_unit(u, found, rows))
@@ -303,7 +305,7 @@ def _into_unit(u, found: dict, rows: RowSharding) -> dict[str, LoadedValues]:
     trainable = isinstance(u, FlatUnit)  # else a FrozenPart: no master to refresh
     finer = {i for i, (_, v) in found.items() if trainable and _finer(v, u.shard.dtype)}
     dtype = torch.float32 if finer else u.shard.dtype
-    shard = rows.into_shard(u.layout, found, u.collectives, dtype, u.device, label=u.label)
+    shard = rows.of(u.names[0]).into_shard(u.layout, found, u.collectives, dtype, u.device, label=u.label)
     loaded = {}
     for i in found:
         pieces = u.layout.slot_pieces(i, u.rank)
@@ -325,8 +327,8 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
     is its slice: the state dict gives it as a DTensor of the original's shape
     (`RowSharding.wrap_slice`) and a load takes any form of the original, keeping the slice."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # the optimizer's names
-    split = {id(p): n for n, p in model.named_parameters() if n in rows.splits}
-    joined = {i for i, n in split.items() if rows.splits[n].parts > 1}  # held whole: gathered by the state dict
+    split = {id(p): n for n, p in model.named_parameters() if rows.is_split(n)}
+    joined = {i for i, n in split.items() if rows.of(n).splits[n].parts > 1}  # held whole: gathered by the state dict
     loading, saving = _Outermost(), _Outermost()
 
     def state_dict_pre_hook(module, prefix, keep_vars):
@@ -351,7 +353,7 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
         for name, p in module.named_parameters(remove_duplicate=False):  # the same order on every rank
             if id(p) in split and prefix + name in state_dict:
                 if id(p) not in done:
-                    done[id(p)] = rows.wrap_slice(p.detach(), split[id(p)])
+                    done[id(p)] = rows.of(split[id(p)]).wrap_slice(p.detach(), split[id(p)])
                 state_dict[prefix + name] = done[id(p)]
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -369,7 +371,7 @@ def install_whole_load_hook(model: nn.Module, rows: RowSharding, on_loaded: OnLo
             # A plain tensor of the slice's shape is this rank's slice (a per-rank state dict, or
             # the model's own variables); anything else is the original, in any form.
             if id(p) in split and torch.is_tensor(value) and (is_dtensor(value) or value.shape != p.shape):
-                state_dict[key] = rows.whole(value, key, tuple(p.shape), split[id(p)])
+                state_dict[key] = rows.of(split[id(p)]).whole(value, key, tuple(p.shape), split[id(p)])
         for key in sorted(k for k, v in state_dict.items() if is_dtensor(v)):  # same order on every rank
             state_dict[key] = rows.whole(state_dict[key], key)
         # In torch's order of copies, so that of a tied parameter's names the last one wins.

@@ -29,6 +29,13 @@ that is no block of the original (packed projections: GPT-2's q, k, v cut projec
 projection) cannot be a DTensor: the state dict holds that parameter whole on every rank
 (its slice gathered over the data ranks, then the slices over the tensor-parallel ranks),
 which DCP treats as replicated; loading cuts any whole value back to the rank's slice.
+
+Under expert parallelism a bank is cut the same way over other axes: by expert over ``ep``
+([Note: expert split] in expert_parallel/plan.py), then the rank's experts into rows over the
+expert-data-parallel ranks, which ZeRO shards it over. Its DTensors live on the
+("ep", "shard") mesh of those ranks (`Topology.expert_parallel_mesh`), placements (Shard(0),
+Shard(0)); a second RowSharding cuts the banks (`of` picks it by parameter name), whose
+flat groups and units hold banks only.
 """
 from __future__ import annotations
 
@@ -59,14 +66,36 @@ def is_dtensor(value) -> bool:
 class RowSharding:
     """How a sharded state dict cuts every parameter of one mesh into rows."""
 
-    def __init__(self, comm: Comm, sharded: bool, splits: Optional[Mapping[str, TensorSplit]] = None):
+    def __init__(self, comm: Comm, sharded: bool, splits: Optional[Mapping[str, TensorSplit]] = None, *,
+                 split_axis: str = "tp", shard_comm: Optional[Comm] = None):
+        """`splits` cut parameters over `comm`'s `split_axis` (``tp``; ``ep`` for expert banks);
+        the rows are cut over the shard axis of `shard_comm` (default `comm`; for the banks,
+        the expert-data-parallel ranks: [Note: expert-parallel axes] in distributed/topology.py)."""
         # Unsharded (stage 0, one rank on the shard axis, no process group): plain tensors,
         # which torch's checkpointing treats as replicated.
-        self.comm, self.topology = comm, comm.topology
-        self.collectives = comm.collectives("shard")
+        shard_comm = comm if shard_comm is None else shard_comm
+        self.comm, self.topology, self.split_axis = comm, shard_comm.topology, split_axis
+        self.collectives = shard_comm.collectives("shard")
         self.sharded = sharded and self.topology.mesh is not None and self.topology.shard_size > 1
         self.rank, self.size = self.topology.shard_rank, self.topology.shard_size
-        self.splits = dict(splits or {}) if self.topology.tp_size > 1 else {}
+        self.split_size = comm.topology.size(split_axis)
+        self.split_rank = comm.topology.rank_on(split_axis)
+        self.splits = dict(splits or {}) if self.split_size > 1 else {}
+        self.banks: Optional[RowSharding] = None
+
+    def with_banks(self, banks: "RowSharding") -> "RowSharding":
+        """This sharding, handing the expert banks `banks.splits` names to `banks` (`of`)."""
+        self.banks = banks
+        return self
+
+    def of(self, param: Optional[str]) -> "RowSharding":
+        """The sharding that cuts parameter `param`: an expert bank's under expert
+        parallelism ([Note: row shards]), else this one."""
+        return self.banks if self.banks is not None and param in self.banks.splits else self
+
+    def is_split(self, param: Optional[str]) -> bool:
+        """Whether `param` is held as a slice of the original (tensor-parallel or a bank's experts)."""
+        return param is not None and param in self.of(param).splits
 
     def _split(self, param: Optional[str]) -> Optional[TensorSplit]:
         return self.splits.get(param) if param is not None else None
@@ -105,13 +134,17 @@ class RowSharding:
 
         axis = [Shard(0)] if len(shape) and rows and self.sharded else [Replicate()]
         data = [Replicate()] + axis if self.topology.replicate_size > 1 else axis
-        if self.topology.tp_size == 1:
+        if self.split_size == 1:
             return data
         return [Shard(split.dim) if split is not None else Replicate()] + \
             (data if self.topology.mesh is not None else [])
 
     def _mesh(self):
-        return self.topology.tensor_parallel_mesh() if self.topology.tp_size > 1 else self.topology.mesh
+        if self.split_size == 1:
+            return self.topology.mesh
+        if self.split_axis == "ep":
+            return self.comm.topology.expert_parallel_mesh(self.topology)
+        return self.topology.tensor_parallel_mesh()
 
     def wrap(self, rows: torch.Tensor, shape: Sequence[int], param: Optional[str] = None) -> torch.Tensor:
         """This rank's rows (flat, `range_of`) of parameter `param` (its tensor-parallel slice
@@ -129,7 +162,7 @@ class RowSharding:
         split = self._split(param)
         if self._joined(split):
             return self._join(flat, shape, split, param)
-        if self.topology.tp_size == 1 and not (self.sharded and rows):
+        if self.split_size == 1 and not (self.sharded and rows):
             return flat.view(tuple(shape))
         lo, hi = self.row_range(shape) if rows else (0, math.prod(shape))
         local_rows = (hi - lo) // max(1, math.prod(shape[1:])) if len(shape) else None
@@ -142,7 +175,7 @@ class RowSharding:
                                   shape=torch.Size(full), stride=stride)
 
     def _join(self, flat: torch.Tensor, shape: Sequence[int], split: TensorSplit, param: str) -> torch.Tensor:
-        return gather_split(self.comm, flat.view(tuple(shape)), split, label=param)
+        return gather_split(self.comm, flat.view(tuple(shape)), split, label=param, axis=self.split_axis)
 
     def whole(self, value: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None,
               param: Optional[str] = None) -> torch.Tensor:
@@ -204,7 +237,7 @@ class RowSharding:
             value = value.full_tensor()  # cut another way (e.g. another mesh): whole, then ours
         value = value.detach()
         if split is not None:
-            value = split.cut(value.reshape(full_shape), self.topology.tp_rank)
+            value = split.cut(value.reshape(full_shape), self.split_rank)
         return "full", value.reshape(-1)
 
 
