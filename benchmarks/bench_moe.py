@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -182,7 +183,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args)
-        return
+        # The record is written and the group destroyed: skip the interpreter's teardown, where
+        # a gloo worker thread's destructor can abort the process after a good run (torch's
+        # exit race, pytorch #190489; seen on FSDP2's variant), which would drop its record.
+        sys.stdout.flush()
+        os._exit(0)
     import bench
 
     bench.WORLD_SIZE = WORLD
