@@ -46,15 +46,16 @@ def check(results, opt, sp, world_size, shard_size=None):
         assert r["shard_size"] == (shard_size or world_size)  # ZeRO shards over every rank: sequence x data
         again = 2 if r["checkpointing"] else 1  # a checkpointed layer's forward runs again in backward
         for step in r["a2a"]:
-            # Per layer: q, k, v to head shards and the output back in forward; the reverses in backward.
-            assert len(step) == (4 * again + 4) * cases.LAYERS, step
+            # Per layer: q, k, v to head shards in one exchange and the output back in forward;
+            # the reverses in backward.
+            assert len(step) == (2 * again + 2) * cases.LAYERS, step
             assert all(axis == "sp" and label == "ulysses attention" for _, axis, label, _ in step), step
-            assert sum(phase == "forward" for phase, _, _, _ in step) == 4 * again * cases.LAYERS
-            # Each forward exchange sends this rank's whole slice of q, k, v or the output:
-            # [ROWS, heads, SEQ/k, head_dim]; 32 = heads x head_dim of both models, 16 that of
-            # Llama's two kv heads.
+            assert sum(phase == "forward" for phase, _, _, _ in step) == 2 * again * cases.LAYERS
+            # Each forward exchange sends this rank's whole slice of q, k and v together, or of
+            # the output: [ROWS, heads, SEQ/k, head_dim]; 32 = heads x head_dim of both models,
+            # 16 that of Llama's two kv heads.
             kv = 16 if r["name"] == "llama" else 32
-            per_layer = [32, kv, kv, 32]
+            per_layer = [32 + 2 * kv, 32]
             want = sorted(cases.ROWS * cases.SEQ // sp * n for n in per_layer * cases.LAYERS * again)
             assert sorted(numel for phase, _, _, numel in step if phase == "forward") == want, step
 

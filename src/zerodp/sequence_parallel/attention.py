@@ -15,6 +15,12 @@ and k grow together.
 Grouped-query attention: with Hkv key/value heads and Hkv divisible by k, rank j receives
 kv heads [j Hkv/k, (j+1) Hkv/k), exactly those its query heads [j H/k, (j+1) H/k) read
 (query head h reads kv head h // (H / Hkv)), so the module's num_key_value_groups holds.
+
+q, k and v travel in one exchange (`sequences_to_heads`): rank j's head groups of the three
+are put side by side in one message, so a layer runs two all-to-alls forward and two in
+backward instead of four and four, the same bytes. Each exchange waits on every rank of the
+group; with more ranks than cores (4 ranks on 2 cores) those waits, not the bytes, are the
+cost of Ulysses.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch
 
 from ..distributed import Comm
 
-__all__ = ["UlyssesAttention", "heads_to_sequence", "sequence_to_heads"]
+__all__ = ["UlyssesAttention", "heads_to_sequence", "sequence_to_heads", "sequences_to_heads"]
 
 _LABEL = "ulysses attention"
 
@@ -38,54 +44,65 @@ def _exchange(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
     return out
 
 
-def _to_heads(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
-    b, h, s, d = x.shape
+def _to_heads(xs: tuple, comm: Comm, phase: str) -> tuple:
+    """[B, H_i, s, D] each (this rank's tokens, every head) -> [B, H_i/k, S, D] each, in one exchange."""
     k = comm.topology.sp_size
-    pieces = x.reshape(b, k, h // k, s, d).transpose(0, 1)  # [k, B, H/k, s, D]: head group j for rank j
-    got = _exchange(pieces, comm, phase)  # [k, B, H/k, s, D]: sequence slice i from rank i
-    return got.permute(1, 2, 0, 3, 4).reshape(b, h // k, k * s, d)
+    heads = [x.shape[1] // k for x in xs]
+    # [k, B, H_i/k, s, D]: head group j of each tensor for rank j, side by side on dim 2.
+    pieces = torch.cat([x.reshape(x.shape[0], k, h, *x.shape[2:]).transpose(0, 1) for x, h in zip(xs, heads)], dim=2)
+    got = _exchange(pieces, comm, phase)  # sequence slice i from rank i
+    return tuple(g.permute(1, 2, 0, 3, 4).reshape(g.shape[1], h, -1, g.shape[-1])
+                 for g, h in zip(got.split(heads, dim=2), heads))
 
 
-def _to_sequence(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
-    b, hk, big_s, d = x.shape
+def _to_sequence(xs: tuple, comm: Comm, phase: str) -> tuple:
+    """[B, H_i/k, S, D] each (every token, this rank's heads) -> [B, H_i, s, D] each, in one exchange."""
     k = comm.topology.sp_size
-    s = big_s // k
-    pieces = x.reshape(b, hk, k, s, d).permute(2, 0, 1, 3, 4)  # [k, B, H/k, s, D]: sequence slice j for rank j
-    got = _exchange(pieces, comm, phase)  # [k, B, H/k, s, D]: head group i from rank i
-    return got.transpose(0, 1).reshape(b, k * hk, s, d)
+    heads = [x.shape[1] for x in xs]
+    # [k, B, H_i/k, s, D]: sequence slice j of each tensor for rank j, side by side on dim 2.
+    pieces = torch.cat([x.reshape(x.shape[0], h, k, x.shape[2] // k, x.shape[3]).permute(2, 0, 1, 3, 4)
+                        for x, h in zip(xs, heads)], dim=2)
+    got = _exchange(pieces, comm, phase)  # head group i from rank i
+    return tuple(g.transpose(0, 1).reshape(g.shape[1], k * h, *g.shape[3:])
+                 for g, h in zip(got.split(heads, dim=2), heads))
 
 
 class _SequenceToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm):
+    def forward(ctx, comm: Comm, *xs: torch.Tensor):
         ctx.comm = comm
-        return _to_heads(x, comm, "forward")
+        return _to_heads(xs, comm, "forward")
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _to_sequence(grad, ctx.comm, "backward"), None
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, *_to_sequence(grads, ctx.comm, "backward"))
 
 
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm):
+    def forward(ctx, comm: Comm, *xs: torch.Tensor):
         ctx.comm = comm
-        return _to_sequence(x, comm, "forward")
+        return _to_sequence(xs, comm, "forward")
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _to_heads(grad, ctx.comm, "backward"), None
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, *_to_heads(grads, ctx.comm, "backward"))
+
+
+def sequences_to_heads(comm: Comm, *xs: torch.Tensor) -> tuple:
+    """`sequence_to_heads` of several tensors (q, k, v) in one exchange: [Note: Ulysses all-to-all]."""
+    return _SequenceToHeads.apply(comm, *xs)
 
 
 def sequence_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """[B, H, s, D] (this rank's tokens, every head) -> [B, H/k, S, D] (every token, this
     rank's heads): [Note: Ulysses all-to-all]."""
-    return _SequenceToHeads.apply(x, comm)
+    return _SequenceToHeads.apply(comm, x)[0]
 
 
 def heads_to_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """The reverse of `sequence_to_heads`: [B, H/k, S, D] -> [B, H, s, D]."""
-    return _HeadsToSequence.apply(x, comm)
+    return _HeadsToSequence.apply(comm, x)[0]
 
 
 class UlyssesAttention:
@@ -110,7 +127,7 @@ class UlyssesAttention:
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         comm = self.comm
-        q, k, v = (sequence_to_heads(t, comm) for t in (query, key, value))
+        q, k, v = sequences_to_heads(comm, query, key, value)
         if self.inputs.model_builds_mask:  # the whole sequence's, from the model: its own forward's
             mask = attention_mask
         else:  # a model that builds no mask: this forward's, from the split

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import Comm
-from .attention import heads_to_sequence, sequence_to_heads
+from .attention import heads_to_sequence, sequences_to_heads
 from .loss import sum_over_sequence
 
 __all__ = ["GPTSequenceInputs", "is_bundled_gpt"]
@@ -43,7 +43,7 @@ class _UlyssesCausal:
         self.comm = comm
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (sequence_to_heads(t, self.comm) for t in (q, k, v))
+        q, k, v = sequences_to_heads(self.comm, q, k, v)
         return heads_to_sequence(F.scaled_dot_product_attention(q, k, v, is_causal=True), self.comm)
 
 
