@@ -197,6 +197,50 @@ def refusal_case(rank, world_size):
     return out
 
 
+def exchange_case(rank, world_size):
+    """q, k, v of different head counts (GQA) and head sizes (DeepSeek-V3's 192-wide q and k
+    beside a 128-wide v; here 6 and 4) in `sequences_to_heads`' one exchange, against what each
+    rank's heads of the whole sequence are (every rank's tokens gathered by torch directly),
+    forward and backward; against one exchange per tensor, and with a v of another dtype."""
+    import torch.distributed as dist
+
+    from zerodp.distributed import Comm, Topology
+    from zerodp.sequence_parallel import heads_to_sequence, sequence_to_heads, sequences_to_heads
+
+    comm = Comm(topology=Topology.build(None, torch.device("cpu")).with_sequence_parallel(world_size))
+    k = world_size
+    g = torch.Generator().manual_seed(rank)
+    shapes = {"q": (2, 4, 3, 6), "k": (2, 2, 3, 6), "v": (2, 2, 3, 4)}
+    local = {n: torch.randn(shape, generator=g, requires_grad=True) for n, shape in shapes.items()}
+    weights = {n: torch.randn((b, h // k, t * k, d), generator=g) for n, (b, h, t, d) in shapes.items()}
+
+    def every_rank(x):  # x of every rank, in rank order
+        parts = [torch.empty_like(x) for _ in range(k)]
+        dist.all_gather(parts, x.detach().contiguous())
+        return parts
+
+    def whole(x):  # [B, H, S, D]: every rank's tokens, in rank order
+        return torch.cat(every_rank(x), dim=2)
+
+    fused = dict(zip(shapes, sequences_to_heads(comm, *local.values())))
+    sum((fused[n] * weights[n]).sum() for n in shapes).backward()
+    out = {"forward": 0.0, "backward": 0.0, "separate": 0.0, "round_trip": 0.0, "dtypes": 0.0}
+    for n, (b, h, t, d) in shapes.items():
+        mine = slice(rank * h // k, (rank + 1) * h // k)
+        out["forward"] = max(out["forward"], float((fused[n] - whole(local[n])[:, mine]).abs().max()))
+        # d/dx of sum(out * w): for head group j, rank j's weights at this rank's tokens.
+        want = torch.cat([w[:, :, rank * t: (rank + 1) * t] for w in every_rank(weights[n])], dim=1)
+        out["backward"] = max(out["backward"], float((local[n].grad - want).abs().max()))
+        alone = sequence_to_heads(local[n].detach(), comm)
+        out["separate"] = max(out["separate"], float((alone - fused[n].detach()).abs().max()))
+        back = heads_to_sequence(alone, comm)
+        out["round_trip"] = max(out["round_trip"], float((back - local[n].detach()).abs().max()))
+    mixed = sequences_to_heads(comm, local["q"].detach(), local["k"].detach(), local["v"].detach().double())
+    out["dtypes"] = max(float((a.double() - fused[n].detach().double()).abs().max()) for a, n in zip(mixed, shapes))
+    out["mixed_dtype"] = str(mixed[2].dtype)
+    return out
+
+
 def tiled_memory_case(rank, world_size, stage, tiled, vocab=4096, seq=256):
     """Peak tensor memory a training step's forward and backward add, with and without the
     tiled loss, on a Llama whose vocabulary is 128x its hidden size (the logits dominate);

@@ -135,6 +135,13 @@ def test_offload_and_hybrid_sharding_beside_sequence_parallelism(pool, world, fi
           shard_size=world // fields.get("replicate_size", 1))
 
 
+def test_one_exchange_carries_q_k_v_of_different_heads_and_sizes(pool):
+    """Data movement only: every value equal, bit for bit, to the whole sequence's heads."""
+    for r in pool.run(2, cases.exchange_case, timeout_s=TIMEOUT_S):
+        assert r["forward"] == r["backward"] == r["separate"] == r["round_trip"] == r["dtypes"] == 0.0, r
+        assert r["mixed_dtype"] == "torch.float64", r
+
+
 def test_refusals_name_the_fix(pool):
     for r in pool.run(2, cases.refusal_case, timeout_s=TIMEOUT_S):
         assert "3 attention heads do not split over 2" in r["heads"], r

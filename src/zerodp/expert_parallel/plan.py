@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..distributed import Comm
+from ..tensor_parallel.plan import under_base_model
 from ..tensor_parallel.split import TensorSplit
 from .dispatch import ExpertDispatch
 
@@ -74,9 +75,7 @@ def ep_plan_of(model: nn.Module, plan: Optional[dict] = None) -> dict[str, str]:
                 raise ConfigError(f"Config.expert_parallel_size > 1, but {type(model).__name__} has no "
                                   f"expert-parallel plan: give it an `expert_parallel_plan` (name pattern -> one of "
                                   f"{STYLES}) or use a model whose config has `base_model_ep_plan`")
-            prefix = getattr(model, "base_model_prefix", "")
-            has_base = bool(prefix) and hasattr(model, prefix)
-            plan = {f"{prefix}.{k}" if has_base else k: v for k, v in base.items()}
+            plan = under_base_model(model, base)
     plan = dict(plan)
     for pattern, style in plan.items():
         if style not in STYLES:

@@ -24,7 +24,7 @@ What changes under the subclass, at accelerate's own seams:
   as accelerate's `AcceleratedOptimizer` over zerodp's optimizer (its `step` and `zero_grad`
   act at the accumulation boundary only, as accelerate's do). The model is never wrapped in
   DDP: zerodp reduces its gradients. An LR scheduler in the same call, built on the script's
-  optimizer, is re-pointed to zerodp's ([Note: a scheduler built before prepare]).
+  optimizer, is re-pointed to zerodp's ([Note: a scheduler built before initialize] in schedulers.py).
 - `backward`: the loss divided by the accumulation steps, as accelerate divides it, then
   zerodp's optimizer's backward (the fp16 loss scale where there is one).
 - `accumulate` / `no_sync`: the model's DDP-style `no_sync()` (zerodp installs it) on every
@@ -50,11 +50,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import shutil
-import weakref
 from typing import Optional, Union
 
 import accelerate
@@ -69,6 +67,7 @@ from ..checkpoint.files import fsync, fsync_dir
 from ..checkpoint.format import COMPLETE
 from ..config import Config, ConfigError
 from ..optim import ZeroOptimizer
+from .schedulers import drop_scheduler_mark, move_schedulers, scheduler_wrapped_step, schedulers_of
 
 log = logging.getLogger(__name__)
 
@@ -97,47 +96,6 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
-
-
-# [Note: a scheduler built before prepare]
-# Accelerate's scripts build the optimizer, then the LR scheduler on it, then hand both to
-# prepare. zerodp.initialize refuses an optimizer a scheduler already wraps (the scheduler
-# would drive the optimizer zerodp wraps, not the one it returns), so prepare takes the
-# scheduler over: torch's LRScheduler keeps its optimizer in `.optimizer` and wraps that
-# optimizer's `step` to notice a scheduler step taken before the optimizer's. prepare removes
-# that wrapper, initializes, points `.optimizer` (of each scheduler a SequentialLR or
-# ChainedScheduler holds too) at zerodp's optimizer and wraps its `step` the same way. Nothing
-# else moves: zerodp's param groups are the script's, in order, with the hyperparameters the
-# scheduler already set (`lr`, `initial_lr`), so `base_lrs`, `last_epoch` and the schedule
-# continue unchanged. A scheduler on the optimizer that is not in the same prepare call could
-# not be re-pointed: prepare refuses it.
-def _schedulers_of(scheduler) -> list:
-    """The scheduler and those it composes (SequentialLR, ChainedScheduler)."""
-    return [scheduler, *[s for child in getattr(scheduler, "_schedulers", ()) for s in _schedulers_of(child)]]
-
-
-def _scheduler_wrapped_step(optimizer: torch.optim.Optimizer):
-    """The `step` an LR scheduler set on this optimizer instance, if any."""
-    step = vars(optimizer).get("step")
-    return step if step is not None and hasattr(step, "_wrapped_by_lr_sched") else None
-
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """What torch's LRScheduler does to the optimizer it is built on: `step` marks
-    `_opt_called`, which the scheduler's first step reads to warn of the wrong order."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    ref = weakref.ref(optimizer)
-    func = type(optimizer).step
-
-    @functools.wraps(func)
-    def step(*args, **kwargs):
-        opt = ref()
-        opt._opt_called = True
-        return func(opt, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True
-    optimizer.step = step
 
 
 class Accelerator(accelerate.Accelerator):
@@ -250,9 +208,8 @@ class Accelerator(accelerate.Accelerator):
         if isinstance(optimizer, ZeroOptimizer):  # the script ran zerodp.initialize itself
             zero = optimizer
         else:
-            own = [s for sched in schedulers for s in _schedulers_of(sched) if s.optimizer is optimizer]
-            wrapped = _scheduler_wrapped_step(optimizer)
-            if wrapped is not None and not own:
+            own = [s for sched in schedulers for s in schedulers_of(sched) if s.optimizer is optimizer]
+            if scheduler_wrapped_step(optimizer) is not None and not own:
                 raise ValueError(f"an LR scheduler was built on this {type(optimizer).__name__} and is not in this "
                                  f"prepare call: pass it to the same accelerator.prepare(...) call, which points it at "
                                  f"zerodp's optimizer")
@@ -263,18 +220,14 @@ class Accelerator(accelerate.Accelerator):
                                   "scales the loss by one optimizer's scale; train both under one optimizer (its "
                                   "param groups), or use bf16")
             self._place(model, place)
-            if wrapped is not None:  # [Note: a scheduler built before prepare]
-                del optimizer.step
+            wrapped = drop_scheduler_mark(optimizer)  # [Note: a scheduler built before initialize]
             try:
                 model, zero = initialize(model, optimizer, self.zerodp_config)
             except BaseException:
                 if wrapped is not None:
                     optimizer.step = wrapped
                 raise
-            for sched in own:  # zerodp's param groups are the script's, in order
-                sched.optimizer = zero
-            if own:
-                _track_step_called(zero)
+            move_schedulers(own, optimizer, zero)  # zerodp's param groups are the script's, in order
         model._is_accelerate_prepared = True
         self._zerodp.append((model, zero))
         wrapper = ZeroAcceleratedOptimizer(zero)

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -43,6 +42,7 @@ from ..checkpoint import consolidate, load, load_pretrained, save
 from ..checkpoint.files import fsync, fsync_dir
 from ..config import Config
 from ..optim import ZeroOptimizer
+from .schedulers import drop_scheduler_mark, move_schedulers
 
 __all__ = ["ZeroStrategy", "ZeroFabricStrategy", "PRECISIONS", "LIGHTNING_FILE", "ZERODP_DIR",
            "is_zerodp_checkpoint"]
@@ -112,35 +112,6 @@ def _refuse_ddp_options(kwargs: dict) -> None:
     if ddp:
         raise ValueError(f"{ddp} configure DistributedDataParallel, which zerodp's strategy never builds: "
                          f"remove them (zerodp.Config holds zerodp's options)")
-
-
-def _without_scheduler_mark(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """`optimizer` with the step wrapper torch's LRScheduler put on it removed: the Trainer moves
-    those schedulers onto the optimizer `initialize` returns (`_move_schedulers`)."""
-    if "step" in vars(optimizer) and hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        del optimizer.step
-    return optimizer
-
-
-def _move_schedulers(schedulers: list, plain: torch.optim.Optimizer, zero: ZeroOptimizer) -> None:
-    """Point every scheduler built on `plain` (and those a SequentialLR/ChainedScheduler holds)
-    at `zero`, whose param groups carry the `lr` and `initial_lr` they set; zero's step then
-    records `_opt_called`, as torch's wrapper does, for the schedulers' order check."""
-    for scheduler in schedulers:
-        _move_schedulers(list(getattr(scheduler, "_schedulers", ())), plain, zero)
-        if getattr(scheduler, "optimizer", None) is plain:
-            scheduler.optimizer = zero
-    if not schedulers or hasattr(zero.step, "_wrapped_by_lr_sched"):
-        return
-    ref, func = weakref.ref(zero), type(zero).step
-
-    def tracked_step(*args, **kwargs):
-        opt = ref()
-        opt._opt_called = True
-        return func(opt, *args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True
-    zero.step = tracked_step
 
 
 class _NoSync(_BackwardSyncControl):
@@ -289,8 +260,9 @@ class ZeroStrategy(DDPStrategy):
                              f"{len(self.optimizers)}: use one optimizer with several param groups")
         plain = self.optimizers[0]
         config = resolve_config(self.zerodp_config, self.precision_plugin.precision)
-        self.model, zero = initialize(self.model, _without_scheduler_mark(plain), config)
-        _move_schedulers([c.scheduler for c in self.lr_scheduler_configs], plain, zero)
+        drop_scheduler_mark(plain)  # [Note: a scheduler built before initialize] in schedulers.py
+        self.model, zero = initialize(self.model, plain, config)
+        move_schedulers([c.scheduler for c in self.lr_scheduler_configs], plain, zero)
         self.zerodp_optimizer = zero
         self.optimizers = [zero]
 

@@ -17,8 +17,9 @@ kv heads [j Hkv/k, (j+1) Hkv/k), exactly those its query heads [j H/k, (j+1) H/k
 (query head h reads kv head h // (H / Hkv)), so the module's num_key_value_groups holds.
 
 q, k and v travel in one exchange (`sequences_to_heads`): rank j's head groups of the three
-are put side by side in one message, so a layer runs two all-to-alls forward and two in
-backward instead of four and four, the same bytes. Each exchange waits on every rank of the
+are put side by side in one message (flattened: their head counts and sizes may differ), so
+a layer runs two all-to-alls forward and two in backward instead of four and four, the same
+bytes. Each exchange waits on every rank of the
 group; with more ranks than cores (4 ranks on 2 cores) those waits, not the bytes, are the
 cost of Ulysses.
 """
@@ -44,27 +45,37 @@ def _exchange(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
     return out
 
 
+def _exchange_blocks(blocks: list, comm: Comm, phase: str) -> list:
+    """Each of `blocks` ([k, ...] each) exchanged as `_exchange` does, in one all-to-all: row j
+    of every block goes to rank j in one message, the blocks' rows side by side, flattened
+    (their head counts and head sizes may differ: GQA's kv heads, DeepSeek's 192-wide q and k
+    beside a 128-wide v). Blocks of different dtypes go in exchanges of their own."""
+    if len(blocks) == 1 or len({b.dtype for b in blocks}) > 1:
+        return [_exchange(b, comm, phase) for b in blocks]
+    k, sizes = blocks[0].shape[0], [b[0].numel() for b in blocks]
+    flat = torch.empty((k, sum(sizes)), dtype=blocks[0].dtype, device=blocks[0].device)
+    for b, part in zip(blocks, flat.split(sizes, dim=1)):
+        part.unflatten(1, b.shape[1:]).copy_(b)  # one copy, from the block's strided view
+    got = _exchange(flat, comm, phase)
+    return [part.unflatten(1, b.shape[1:]) for b, part in zip(blocks, got.split(sizes, dim=1))]
+
+
 def _to_heads(xs: tuple, comm: Comm, phase: str) -> tuple:
-    """[B, H_i, s, D] each (this rank's tokens, every head) -> [B, H_i/k, S, D] each, in one exchange."""
+    """[B, H_i, s, D_i] each (this rank's tokens, every head) -> [B, H_i/k, S, D_i] each, in one exchange."""
     k = comm.topology.sp_size
-    heads = [x.shape[1] // k for x in xs]
-    # [k, B, H_i/k, s, D]: head group j of each tensor for rank j, side by side on dim 2.
-    pieces = torch.cat([x.reshape(x.shape[0], k, h, *x.shape[2:]).transpose(0, 1) for x, h in zip(xs, heads)], dim=2)
-    got = _exchange(pieces, comm, phase)  # sequence slice i from rank i
-    return tuple(g.permute(1, 2, 0, 3, 4).reshape(g.shape[1], h, -1, g.shape[-1])
-                 for g, h in zip(got.split(heads, dim=2), heads))
+    # [k, B, H_i/k, s, D_i]: head group j of each tensor for rank j.
+    blocks = [x.reshape(x.shape[0], k, x.shape[1] // k, *x.shape[2:]).transpose(0, 1) for x in xs]
+    got = _exchange_blocks(blocks, comm, phase)  # sequence slice i from rank i
+    return tuple(g.permute(1, 2, 0, 3, 4).reshape(g.shape[1], g.shape[2], -1, g.shape[-1]) for g in got)
 
 
 def _to_sequence(xs: tuple, comm: Comm, phase: str) -> tuple:
-    """[B, H_i/k, S, D] each (every token, this rank's heads) -> [B, H_i, s, D] each, in one exchange."""
+    """[B, H_i/k, S, D_i] each (every token, this rank's heads) -> [B, H_i, s, D_i] each, in one exchange."""
     k = comm.topology.sp_size
-    heads = [x.shape[1] for x in xs]
-    # [k, B, H_i/k, s, D]: sequence slice j of each tensor for rank j, side by side on dim 2.
-    pieces = torch.cat([x.reshape(x.shape[0], h, k, x.shape[2] // k, x.shape[3]).permute(2, 0, 1, 3, 4)
-                        for x, h in zip(xs, heads)], dim=2)
-    got = _exchange(pieces, comm, phase)  # head group i from rank i
-    return tuple(g.transpose(0, 1).reshape(g.shape[1], k * h, *g.shape[3:])
-                 for g, h in zip(got.split(heads, dim=2), heads))
+    # [k, B, H_i/k, s, D_i]: sequence slice j of each tensor for rank j.
+    blocks = [x.reshape(x.shape[0], x.shape[1], k, x.shape[2] // k, x.shape[3]).permute(2, 0, 1, 3, 4) for x in xs]
+    got = _exchange_blocks(blocks, comm, phase)  # head group i from rank i
+    return tuple(g.transpose(0, 1).reshape(g.shape[1], k * g.shape[2], *g.shape[3:]) for g in got)
 
 
 class _SequenceToHeads(torch.autograd.Function):

@@ -34,7 +34,7 @@ from .layers import ColumnParallelLinear, RegionEntry, RowParallelLinear, VocabP
 from .rng import SplitRegionRNG
 from .split import TensorSplit
 
-__all__ = ["plan_of", "apply_tensor_parallel"]
+__all__ = ["plan_of", "apply_tensor_parallel", "under_base_model"]
 
 STYLES = ("colwise", "colwise_packed2", "colwise_packed3", "rowwise", "embedding", "lm_head")
 # transformers' style names -> ours; any other is refused, naming it.
@@ -43,6 +43,15 @@ HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output"
 
 # Models already split: splitting again would cut the slices.
 _SPLIT: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def under_base_model(model: nn.Module, plan: dict) -> dict:
+    """A Hugging Face config's plan for the base model ({name pattern: style}) under the
+    model's names: prefixed with its `base_model_prefix` where the model wraps a base model
+    (LlamaForCausalLM's "model."), as transformers applies its own plans."""
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = bool(prefix) and hasattr(model, prefix)
+    return {f"{prefix}.{pattern}" if has_base else pattern: style for pattern, style in plan.items()}
 
 
 def plan_of(model: nn.Module) -> dict[str, str]:
@@ -58,14 +67,11 @@ def plan_of(model: nn.Module) -> dict[str, str]:
         raise ConfigError(f"Config.tensor_parallel_size > 1, but {type(model).__name__} has no tensor-parallel plan: "
                           f"give its class a `tensor_parallel_plan` (module name pattern -> one of {STYLES}), as "
                           f"zerodp.demo.models.GPT does")
-    prefix = getattr(model, "base_model_prefix", "")
-    has_base = bool(prefix) and hasattr(model, prefix)
-    plan = {}
     for pattern, style in base.items():
         if style not in HF_STYLES:
             raise ConfigError(f"{type(model).__name__}'s base_model_tp_plan asks {pattern!r} to be {style!r}, which "
                               f"zerodp does not split: give the model a `tensor_parallel_plan` with one of {STYLES}")
-        plan[f"{prefix}.{pattern}" if has_base else pattern] = HF_STYLES[style]
+    plan = {pattern: HF_STYLES[style] for pattern, style in under_base_model(model, base).items()}
     names = {id(m): n for n, m in model.named_modules()}
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if isinstance(embedding, nn.Embedding):
