@@ -26,10 +26,12 @@ over it is mapped on its own and returned when freed: RSS follows the tensors al
 and L0 k, L0 the base length), tries the predicted longest L, and walks by the granularity
 until a length that fits sits next to one that does not (at most `--max-trials` trials).
 
-On this repository's 2-core machine the 100m shape's budget at a short L0 is set by a phase of
-the step that does not grow with L (benchmarks/RESULTS.md, "Long context"), and an L0 long
-enough for the activations to set it makes the search take hours: `--model small` (hidden
-256, 4 layers, vocabulary 8192) with `--base-length 1024` runs in ~13 minutes here.
+At a short L0 the 100m shape's budget is set by a phase of the step that does not grow with L
+(stage 3's vocabulary-sized units: at 512 tokens per rank and fewer): use `--base-length 1024`
+or more (benchmarks/RESULTS.md, "Long context"). On this repository's 2-core machine its five
+variants but SP=4 tiled take ~34 minutes at L0 = 1,024; SP=4 tiled's search (~18k tokens)
+needs a `--timeout` over the default. `--model small` (hidden 256, 4 layers, vocabulary 8192)
+with `--base-length 2048 --repeat 3` runs in ~35 minutes here.
 
 Step time per token: steps at `--base-length` with SP rows in the batch, so that every
 variant trains the same 4 L0 tokens per step (4 / SP groups of SP rows each) and each rank
