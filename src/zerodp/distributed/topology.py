@@ -154,26 +154,21 @@ class Topology:
         outermost, so that a DTensor on it cuts a parameter into tensor-parallel slices first
         and then each slice's rows over the data-parallel ranks, as zerodp holds them ([Note:
         row shards] in sharding/rows.py). Built once; no collective."""
-        built_from = (self.tp_group, self.replicate_group if self.replicate_size > 1 else None, self.shard_group)
-        key = ("tp-mesh", *(g.group_name if g is not None else None for g in built_from), self.device.type)
-        built = _MESHES.get(key)
-        if built is not None and all(a is b for a, b in zip(built[0], built_from)):
-            return built[1]
-        world = self.process_count
-        data = world // self.tp_size
-        if self.mesh is None:  # one data-parallel rank
-            mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh_dim_names=("tp",))
-        else:
+        def build() -> DeviceMesh:
+            if self.mesh is None:  # one data-parallel rank
+                return DeviceMesh.from_group(self.tp_group, self.device.type, mesh_dim_names=("tp",))
             # Process rank = data rank x tp_size + tp rank; data rank = replicate row x shard_size + shard rank.
-            grid = torch.arange(world, dtype=torch.int).view(data, self.tp_size).t()
+            world = self.process_count
+            grid = torch.arange(world, dtype=torch.int).view(world // self.tp_size, self.tp_size).t()
             if self.replicate_size > 1:
                 grid = grid.reshape(self.tp_size, self.replicate_size, self.shard_size)
                 groups, names = [self.tp_group, self.replicate_group, self.shard_group], ("tp", "replicate", "shard")
             else:
                 groups, names = [self.tp_group, self.shard_group], ("tp", "shard")
-            mesh = DeviceMesh.from_group(groups, self.device.type, mesh=grid.contiguous(), mesh_dim_names=names)
-        _MESHES[key] = (built_from, mesh)
-        return mesh
+            return DeviceMesh.from_group(groups, self.device.type, mesh=grid.contiguous(), mesh_dim_names=names)
+
+        return _built_once("tp-mesh", (self.tp_group, self.replicate_group if self.replicate_size > 1 else None,
+                                       self.shard_group), self.device.type, build)
 
     def expert_parallel_mesh(self, experts: "Topology") -> DeviceMesh:
         """The data-parallel processes as an ("ep", "shard") mesh, `experts` the
@@ -182,21 +177,17 @@ class Topology:
         rank's experts into rows over the ranks that hold the same experts, as zerodp holds
         them ([Note: row shards] in sharding/rows.py); ("ep",) alone when those ranks are one.
         Built once; no collective."""
-        built_from = (self.ep_group, experts.shard_group if experts.mesh is not None else None)
-        key = ("ep-mesh", *(g.group_name if g is not None else None for g in built_from), self.device.type)
-        built = _MESHES.get(key)
-        if built is not None and all(a is b for a, b in zip(built[0], built_from)):
-            return built[1]
-        if experts.mesh is None:
-            mesh = DeviceMesh.from_group(self.ep_group, self.device.type, mesh_dim_names=("ep",))
-        else:
+        def build() -> DeviceMesh:
+            if experts.mesh is None:
+                return DeviceMesh.from_group(self.ep_group, self.device.type, mesh_dim_names=("ep",))
             # Data rank = expert-data-parallel rank x ep_size + ep rank ([Note: expert-parallel axes]).
             ranks = torch.tensor(dist.get_process_group_ranks(self.data_group), dtype=torch.int)
             grid = ranks.view(-1, self.ep_size).t().contiguous()
-            mesh = DeviceMesh.from_group([self.ep_group, experts.shard_group], self.device.type, mesh=grid,
+            return DeviceMesh.from_group([self.ep_group, experts.shard_group], self.device.type, mesh=grid,
                                          mesh_dim_names=("ep", "shard"))
-        _MESHES[key] = (built_from, mesh)
-        return mesh
+
+        return _built_once("ep-mesh", (self.ep_group, experts.shard_group if experts.mesh is not None else None),
+                           self.device.type, build)
 
     def with_node_axes(self) -> "Topology":
         """This topology with the shard axis split into ``node`` and ``cross_node`` (ZeRO++),
@@ -359,6 +350,19 @@ def _known_ranks_per_node() -> Optional[int]:
         return None
 
 
+def _built_once(kind: str, built_from: tuple, device_type: str, build) -> DeviceMesh:
+    """The mesh `build()` makes over the groups `built_from` (None for an axis left out),
+    made once per those groups and device type: a group of the same name built anew (a new
+    world) makes a new mesh."""
+    key = (kind, *(g.group_name if g is not None else None for g in built_from), device_type)
+    built = _MESHES.get(key)
+    if built is not None and all(a is b for a, b in zip(built[0], built_from)):
+        return built[1]
+    mesh = build()
+    _MESHES[key] = (built_from, mesh)
+    return mesh
+
+
 def _subgroup(parent: dist.ProcessGroup, ranks: list[int], timeout_s: Optional[float]) -> dist.ProcessGroup:
     """A process group over `ranks` (`parent`'s, or a subset with this rank among them),
     built once per parent, ranks and timeout; over a subset only its members create it
@@ -371,6 +375,7 @@ def _subgroup(parent: dist.ProcessGroup, ranks: list[int], timeout_s: Optional[f
     group = dist.new_group(ranks, use_local_synchronization=len(ranks) != dist.get_world_size(), **kwargs)
     _MESHES[key] = (parent, group)
     return group
+
 
 def _axis(axis: str) -> str:
     if axis not in AXES:

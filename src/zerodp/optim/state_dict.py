@@ -150,11 +150,6 @@ def _piece_tensors(opt, shard, key: str) -> list:
     return [opt.stepper.inner.state.get(t, {}).get(key) for t in shard.master_tensors]
 
 
-def _cut_of(rows: RowSharding, storage) -> RowSharding:
-    """The sharding of a storage's parameters: a storage holds expert banks only or none."""
-    return rows.of(storage.names[storage.indices[0]]) if len(storage.indices) else rows
-
-
 def _local_values(rows: RowSharding, shard, tensors: list, dtype: torch.dtype, device) -> dict[int, torch.Tensor]:
     """Slot index -> this rank's rows of that parameter (flat), for one storage's state
     (zero where a piece has none)."""
@@ -191,7 +186,7 @@ def sharded_state_dict(opt, rows: RowSharding) -> dict:
                [(k, torch.float32) for k in _master_key(opt)]
         for shard in group:
             st = shard.storage
-            cut = _cut_of(rows, st)
+            cut = rows.of_storage(st.names)
             for key, dtype in keys:
                 values = _local_values(cut, shard, _piece_tensors(opt, shard, key), dtype, opt.comm.device)
                 for i in st.indices:
@@ -334,7 +329,7 @@ def _write_values(rows: RowSharding, shard, tensors: list, found: dict, dtype: t
     with the same slots and dtype on every rank."""
     st = shard.storage
     layout, pieces = st.layout, st.owned_pieces()
-    rows = _cut_of(rows, st)
+    rows = rows.of_storage(st.names)
     if rows.sharded:
         local = rows.into_shard(layout, found, st.collectives, dtype, device)
         base = [p.shard_start for p in pieces]

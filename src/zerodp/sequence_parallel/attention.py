@@ -19,9 +19,8 @@ kv heads [j Hkv/k, (j+1) Hkv/k), exactly those its query heads [j H/k, (j+1) H/k
 q, k and v travel in one exchange (`sequences_to_heads`): rank j's head groups of the three
 are put side by side in one message (flattened: their head counts and sizes may differ), so
 a layer runs two all-to-alls forward and two in backward instead of four and four, the same
-bytes. Each exchange waits on every rank of the
-group; with more ranks than cores (4 ranks on 2 cores) those waits, not the bytes, are the
-cost of Ulysses.
+bytes. Each exchange waits on every rank of the group; with more ranks than cores (4 ranks
+on 2 cores) those waits, not the bytes, are the cost of Ulysses.
 """
 from __future__ import annotations
 

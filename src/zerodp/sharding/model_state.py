@@ -219,7 +219,7 @@ def install_state_dict_hooks(model: nn.Module, units: list[FlatUnit], rows: RowS
                 named = present(u, state_dict, prefix, aliases)
                 if not named:
                     continue
-                cut = rows.of(u.names[0])  # a unit holds expert banks only or none ([Note: row shards])
+                cut = rows.of_storage(u.names)
                 if cut.sharded:
                     wanted = {i: cut.range_of(u.layout.slots[i].shape, u.names[i]) for i in named}
                     local = gather_runs(u.layout, u.gather_source(), u.collectives, wanted, "checkpoint",
@@ -305,7 +305,7 @@ def _into_unit(u, found: dict, rows: RowSharding) -> dict[str, LoadedValues]:
     trainable = isinstance(u, FlatUnit)  # else a FrozenPart: no master to refresh
     finer = {i for i, (_, v) in found.items() if trainable and _finer(v, u.shard.dtype)}
     dtype = torch.float32 if finer else u.shard.dtype
-    shard = rows.of(u.names[0]).into_shard(u.layout, found, u.collectives, dtype, u.device, label=u.label)
+    shard = rows.of_storage(u.names).into_shard(u.layout, found, u.collectives, dtype, u.device, label=u.label)
     loaded = {}
     for i in found:
         pieces = u.layout.slot_pieces(i, u.rank)

@@ -93,6 +93,11 @@ class RowSharding:
         parallelism ([Note: row shards]), else this one."""
         return self.banks if self.banks is not None and param in self.banks.splits else self
 
+    def of_storage(self, names: Sequence[str]) -> "RowSharding":
+        """The sharding of a flat group's or unit's parameters `names`: banks only or none ([Note:
+        row shards]), so its first parameter's."""
+        return self.of(names[0]) if len(names) else self
+
     def is_split(self, param: Optional[str]) -> bool:
         """Whether `param` is held as a slice of the original (tensor-parallel or a bank's experts)."""
         return param is not None and param in self.of(param).splits
